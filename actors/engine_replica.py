@@ -1,0 +1,373 @@
+"""The engine replica: one vLLM `AsyncLLM` with fast prefill and a bidirectional NIXL connector.
+
+`EngineReplica` is a plain class; `app/builder.py` wraps it with `serve.deployment`, and tests or
+benchmarks may also construct it directly inside one process. vLLM is imported only when an engine
+starts, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from actors.replica_api import (
+    AttentionGroupInfo,
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaIdentity,
+    ReplicaStats,
+)
+from configs.engine import CPU_HEAD_SIZES, EngineConfig
+from configs.model_store import ensure_model
+
+logger = logging.getLogger(__name__)
+
+_QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+
+class RateMeter:
+    """Exponential moving average of a tokens-per-second rate. Not thread-safe (one event loop)."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.value = rate if self.value is None else (1 - self.alpha) * self.value + self.alpha * rate
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _replica_context() -> tuple[str, int]:
+    """(replica id, local rank on its node) inside Serve; a fresh id and rank 0 outside it."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return ctx.replica_id.unique_id, ctx.rank.local_rank
+    except Exception:  # not running as a Serve replica (a test or benchmark constructing it directly)
+        return f"local-{uuid.uuid4().hex[:8]}", 0
+
+
+def _node_identity() -> tuple[str, str]:
+    """(node id, node IP) from Ray when available, else this host on loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return socket.gethostname(), "127.0.0.1"
+
+
+class EngineReplica:
+    """One vLLM engine. Methods are coroutines run on the replica's single event loop."""
+
+    def __init__(self, config: EngineConfig | dict[str, Any]) -> None:
+        self.config = EngineConfig.model_validate(config)
+        self.replica_id, local_rank = _replica_context()
+        self.node_id, node_ip = _node_identity()
+        self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
+        for key, value in _QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+
+        from vllm.platforms import current_platform
+
+        self._is_cpu = current_platform.is_cpu()
+        self.cpu_cores = self._bind_cpu_cores(local_rank) if self._is_cpu else None
+        nixl = self.config.nixl
+        self.nixl_host = nixl.side_channel_host or node_ip if nixl.enabled else None
+        self.nixl_port = (nixl.side_channel_port or _free_port(self.nixl_host)) if nixl.enabled else None
+        if nixl.enabled:
+            # The connector reads these in the engine-core and worker processes this replica spawns.
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.nixl_host
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
+
+        self.model_path = ensure_model(self.config.model)
+        self._check_platform_limits(current_platform.device_type)
+        self._scheduler_stats: Any = None
+        self._prefill_rate = RateMeter()
+        self._decode_rate = RateMeter()
+        self._finished = 0
+        self.engine = self._start_engine(current_platform.device_type)
+        logger.info(
+            "replica %s started engine %s (model %s, fast prefill %s, nixl %s:%s, cores %s)",
+            self.replica_id, self.engine_id, self.config.model, self.config.fast_prefill,
+            self.nixl_host, self.nixl_port, self.cpu_cores,
+        )
+
+    # ----------------------------------------------------------------------------- start-up
+
+    def _bind_cpu_cores(self, local_rank: int) -> list[int]:
+        cores = sorted(os.sched_getaffinity(0))
+        threads = self.config.cpu_threads
+        first = (self.config.cpu_core_offset + local_rank * threads) % len(cores)
+        chosen = [cores[(first + i) % len(cores)] for i in range(threads)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in chosen)
+        return chosen
+
+    def _check_platform_limits(self, device_type: str) -> None:
+        if device_type != "cpu":
+            return
+        if self.config.block_size % 32:
+            raise ValueError(f"block_size={self.config.block_size}: the CPU backend needs a multiple of 32")
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(self.model_path)
+        hf = getattr(hf, "text_config", hf)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        if head_dim not in CPU_HEAD_SIZES:
+            raise ValueError(f"head size {head_dim} of {self.config.model!r} is not supported by CPU attention")
+
+    def _kv_transfer_config(self, device_type: str) -> dict[str, Any] | None:
+        nixl = self.config.nixl
+        if not nixl.enabled:
+            return None
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": nixl.kv_buffer_device or device_type,
+            "engine_id": self.engine_id,
+            "kv_load_failure_policy": nixl.load_failure_policy,
+            "kv_connector_extra_config": {
+                "backends": list(nixl.backends),
+                "bidirectional_kv_xfer": nixl.bidirectional,
+                "kv_recompute_threshold": nixl.kv_recompute_threshold,
+                "decoder_kv_blocks_ttl": nixl.hold_ttl_s,
+                "enforce_handshake_compat": nixl.enforce_handshake_compat,
+            },
+        }
+
+    def _start_engine(self, device_type: str) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        args = AsyncEngineArgs(
+            model=str(self.model_path),
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            block_size=cfg.block_size,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            kv_sharing_fast_prefill=cfg.fast_prefill,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            seed=cfg.seed,
+            kv_transfer_config=self._kv_transfer_config(device_type),
+            worker_extension_cls="actors.worker_extension.KVRelayWorkerExtension",
+            # vLLM's periodic log lines off; our stat logger below still receives every step's stats.
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._make_stat_logger])
+
+    def _make_stat_logger(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+        from vllm.v1.metrics.stats import CachingMetrics
+
+        replica = self
+        replica._prefix_cache = CachingMetrics()
+
+        class _ReplicaStatLogger(StatLoggerBase):
+            """Keeps the engine's latest scheduler stats on the replica (vLLM calls it every step)."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    replica._scheduler_stats = scheduler_stats
+                    replica._prefix_cache.observe(scheduler_stats.prefix_cache_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _ReplicaStatLogger(vllm_config, engine_index)
+
+    # ----------------------------------------------------------------------------- serving
+
+    def _sampling_params(self, request: GenerateRequest) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = request.sampling
+        if s.prompt_logprobs is not None and self.config.fast_prefill:
+            raise InvalidRequestError(
+                "prompt_logprobs cannot be served by a replica running KV-sharing fast prefill (the "
+                "shared layers skip prompt positions, so prompt logprobs would be wrong); drop "
+                "prompt_logprobs or use a deployment with kv_sharing_fast_prefill=false"
+            )
+        if request.prompt_token_ids is not None:
+            total = len(request.prompt_token_ids) + s.max_tokens
+            if total > self.config.max_model_len:
+                raise InvalidRequestError(
+                    f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens ({s.max_tokens}) "
+                    f"exceeds this model's context of {self.config.max_model_len} tokens; shorten the "
+                    "prompt or lower max_tokens"
+                )
+        try:
+            return SamplingParams(
+                n=1,
+                max_tokens=s.max_tokens,
+                min_tokens=s.min_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                seed=s.seed,
+                stop=s.stop or None,
+                stop_token_ids=s.stop_token_ids or None,
+                ignore_eos=s.ignore_eos,
+                logprobs=s.logprobs,
+                prompt_logprobs=s.prompt_logprobs,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args={"kv_transfer_params": request.kv_transfer_params}
+                if request.kv_transfer_params
+                else None,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+    async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[GenerateDelta]:
+        """Stream one generation as deltas; the last delta carries totals and vLLM's kv_transfer_params."""
+        from vllm import TokensPrompt
+
+        request = GenerateRequest.model_validate(request)
+        params = self._sampling_params(request)
+        prompt: Any = (
+            TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+            if request.prompt_token_ids is not None
+            else request.prompt
+        )
+        started = time.monotonic()
+        first_token_at: float | None = None
+        prompt_tokens = cached = completion = 0
+        stream = self.engine.generate(prompt, params, request.request_id)
+        try:
+            async for out in stream:
+                completion_out = out.outputs[0]
+                now = time.monotonic()
+                if first_token_at is None and completion_out.token_ids:
+                    first_token_at = now
+                prompt_tokens = len(out.prompt_token_ids or ())
+                cached = out.num_cached_tokens or 0
+                completion += len(completion_out.token_ids)
+                delta = GenerateDelta(
+                    token_ids=list(completion_out.token_ids),
+                    text=completion_out.text,
+                    replica_id=self.replica_id,
+                )
+                if out.finished:
+                    delta.finished = True
+                    delta.finish_reason = completion_out.finish_reason
+                    delta.prompt_tokens = prompt_tokens
+                    delta.completion_tokens = completion
+                    delta.num_cached_tokens = cached
+                    delta.kv_transfer_params = out.kv_transfer_params
+                    delta.prefill_s = self._observe_speeds(out, started, first_token_at, now, completion)
+                yield delta
+        except ValueError as exc:
+            if first_token_at is not None:
+                raise
+            # vLLM validates on admission (e.g. a prompt longer than the context) with ValueError subclasses.
+            raise InvalidRequestError(str(exc)) from exc
+
+    def _observe_speeds(
+        self, out: Any, started: float, first_token_at: float | None, finished_at: float, completion: int
+    ) -> float | None:
+        """Feed this request's prefill and decode timings to the rate meters; returns prefill seconds."""
+        self._finished += 1
+        if first_token_at is None:
+            return None
+        metrics = out.metrics
+        if metrics is not None and metrics.scheduled_ts and metrics.first_token_ts:
+            prefill_s = metrics.first_token_ts - metrics.scheduled_ts
+        else:
+            prefill_s = first_token_at - started
+        computed = len(out.prompt_token_ids or ()) - (out.num_cached_tokens or 0)
+        # Very short prefills measure scheduling overhead, not the model's speed.
+        if computed >= 32:
+            self._prefill_rate.observe(computed, prefill_s)
+        if completion > 1:
+            self._decode_rate.observe(completion - 1, finished_at - first_token_at)
+        return prefill_s
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.engine.get_tokenizer().encode(text, add_special_tokens=add_special_tokens))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return self.engine.get_tokenizer().decode(token_ids)
+
+    async def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a chat history rendered with the model's own template."""
+        tokenizer = self.engine.get_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                f"model {self.config.model!r} has no chat template; use /v1/completions with a plain prompt"
+            )
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as exc:  # a template error is the messages' fault (roles, content types)
+            raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ----------------------------------------------------------------------------- introspection
+
+    async def identity(self) -> ReplicaIdentity:
+        return ReplicaIdentity(
+            replica_id=self.replica_id,
+            engine_id=self.engine_id,
+            nixl_host=self.nixl_host,
+            nixl_port=self.nixl_port,
+            node_id=self.node_id,
+            cpu_cores=self.cpu_cores,
+            model=self.config.model,
+            fast_prefill=self.config.fast_prefill,
+            block_size=self.config.block_size,
+        )
+
+    async def stats(self) -> ReplicaStats:
+        s = self._scheduler_stats
+        return ReplicaStats(
+            replica_id=self.replica_id,
+            running=s.num_running_reqs if s else 0,
+            waiting=(s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s else 0,
+            kv_cache_usage=s.kv_cache_usage if s else 0.0,
+            prefix_cache_hit_rate=self._prefix_cache.hit_rate,
+            prefill_tok_s=self._prefill_rate.value,
+            decode_tok_s=self._decode_rate.value,
+            requests_finished=self._finished,
+        )
+
+    async def attention_groups(self) -> list[AttentionGroupInfo]:
+        """Attention groups of the live worker (rank 0), read through vLLM's collective RPC."""
+        per_worker = await self.engine.collective_rpc("kvrelay_attention_groups")
+        return [AttentionGroupInfo(**group) for group in per_worker[0]]
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; a dead engine makes the replica restart."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

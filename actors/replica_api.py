@@ -1,0 +1,108 @@
+"""The engine replica's wire contract: what callers send to `EngineReplica` and what it streams back.
+
+These are plain pydantic models so they cross Ray process boundaries unchanged and validate on entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked; the message says what to change. The replica keeps serving."""
+
+
+class Sampling(BaseModel):
+    """The subset of vLLM's SamplingParams that kvrelay exposes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=16, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+
+
+class GenerateRequest(BaseModel):
+    """One generation on one replica. Exactly one of `prompt_token_ids` and `prompt` is given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    sampling: Sampling = Field(default_factory=Sampling)
+    # Set by kvtransfer's planner only, never taken from a client: they name KV blocks to pull.
+    kv_transfer_params: dict[str, Any] | None = None
+    # Read by the replica router: the replica the planner chose. None lets Serve pick.
+    target_replica: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt_token_ids is None) == (self.prompt is None):
+            raise ValueError("give exactly one of prompt_token_ids and prompt")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        return self
+
+
+class GenerateDelta(BaseModel):
+    """One streamed step. The last item has `finished=True` and the request's totals."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Prompt tokens whose KV the engine did not compute: a local prefix hit or pulled over NIXL.
+    num_cached_tokens: int = 0
+    # What vLLM's connector returned (an exported hold in bidirectional mode).
+    kv_transfer_params: dict[str, Any] | None = None
+    # Seconds from the engine scheduling the request to its first token (prefill time), if known.
+    prefill_s: float | None = None
+    replica_id: str = ""
+
+
+class ReplicaIdentity(BaseModel):
+    """How the KV directory and peers address a replica."""
+
+    replica_id: str
+    engine_id: str
+    nixl_host: str | None
+    nixl_port: int | None
+    node_id: str
+    cpu_cores: list[int] | None
+    model: str
+    fast_prefill: bool
+    block_size: int
+
+
+class ReplicaStats(BaseModel):
+    """A snapshot of load and measured speed, for the planner and autoscaling."""
+
+    replica_id: str
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    prefill_tok_s: float | None
+    decode_tok_s: float | None
+    requests_finished: int
+
+
+class AttentionGroupInfo(BaseModel):
+    """One attention group of one KV cache group, as the live worker built it."""
+
+    kv_cache_group: int
+    backend: str
+    layer_names: list[str]

@@ -1,0 +1,49 @@
+"""Builds the kvrelay Serve application from an `AppConfig`; `serve run`, Python and tests all use it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from actors.engine_replica import EngineReplica
+from app.ingress import Ingress
+from configs.app import AppConfig, PoolConfig
+
+ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
+
+
+def engine_deployment(name: str, pool: PoolConfig) -> Application:
+    """A deployment of identical engine replicas, routed to the replica each plan names."""
+    deployment = serve.deployment(
+        EngineReplica,
+        name=name,
+        num_replicas=pool.num_replicas,
+        max_ongoing_requests=pool.max_ongoing_requests,
+        ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        # An engine needs tens of seconds to start on CPU; Serve must not give up on it.
+        graceful_shutdown_timeout_s=30,
+    )
+    return deployment.bind(pool.engine.model_dump())
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    """Serve application builder: `import_path: app.builder:build_app` with `args:` an AppConfig."""
+    config = AppConfig.model_validate(args or {})
+    pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool)}
+    if config.decode_pool is not None:
+        decode = config.decode_pool
+        if decode.engine.cpu_core_offset == config.pool.engine.cpu_core_offset:
+            # Both pools would otherwise pin their first replica to the same core.
+            shifted = config.pool.num_replicas * config.pool.engine.cpu_threads
+            decode = decode.model_copy(
+                update={"engine": decode.engine.model_copy(update={"cpu_core_offset": shifted})}
+            )
+        pools["decode_engines"] = engine_deployment("decode_engines", decode)
+    ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": config.ingress_num_cpus})
+    return ingress.bind(config.model_dump(), **pools)

@@ -1,0 +1,100 @@
+"""Pydantic configuration of one vLLM engine replica: model, cache, fast prefill and NIXL settings.
+
+Validators reject an impossible engine before any Ray actor starts. Nothing here imports vLLM; the
+replica turns this into `AsyncEngineArgs` (see `actors/engine_replica.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from configs.models import DEFAULT_MODEL, MODEL_PRESETS
+
+MiB = 1024**2
+
+# Head sizes the CPU attention backend implements (vLLM's cpu_attn); others fail at engine start.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class NixlSettings(BaseModel):
+    """vLLM NixlConnector settings for a replica that both sends and receives KV (kv_role kv_both)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    # None: the device the platform reports ("cpu" on the CPU build, "cuda" on CUDA).
+    kv_buffer_device: str | None = None
+    backends: list[str] = Field(default_factory=lambda: ["UCX"])
+    # Keep a finished turn's blocks so another replica can pull them (vLLM PR #32553).
+    bidirectional: bool = True
+    # How long an exported hold stays pullable; vLLM's default is 480 s, which holds KV memory long
+    # after most follow-up turns would have arrived.
+    hold_ttl_s: float = Field(default=120.0, gt=0)
+    # The planner decides when a pull is worth it, so vLLM's own fixed threshold is switched off.
+    kv_recompute_threshold: int = Field(default=0, ge=0)
+    # A failed pull must not fail the turn: the engine recomputes the missing tokens.
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # Refuse peers whose model/config hash differs; tests that prove KV really moved turn it off.
+    enforce_handshake_compat: bool = True
+    # None: a free port on this host, chosen when the replica starts.
+    side_channel_port: int | None = Field(default=None, ge=1024, le=65535)
+    # None: the Ray node's IP address, so peers on other hosts can reach it.
+    side_channel_host: str | None = None
+
+
+class EngineConfig(BaseModel):
+    """Everything needed to start one engine replica; identical for every replica of a deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = DEFAULT_MODEL
+    # None: the preset's recommended dtype (fp32 for the random test models, bf16 for real ones).
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    max_model_len: int = Field(default=4096, ge=64)
+    kv_cache_memory_bytes: int = Field(default=512 * MiB, ge=16 * MiB)
+    block_size: int = Field(default=32, ge=16)
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    # None: on exactly when the model has KV-sharing layers (it changes nothing for other models,
+    # but it makes vLLM refuse prompt_logprobs).
+    kv_sharing_fast_prefill: bool | None = None
+    max_num_seqs: int = Field(default=16, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=32)
+    seed: int = 0
+    nixl: NixlSettings = Field(default_factory=NixlSettings)
+    # CPU only: the first core this deployment's replicas bind their OpenMP threads to; replica with
+    # local rank r uses core (cpu_core_offset + r) modulo the cores Ray sees on its node.
+    cpu_core_offset: int = Field(default=0, ge=0)
+    # CPU only: OpenMP threads per replica (cores bound from its first core).
+    cpu_threads: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}; known presets: {sorted(MODEL_PRESETS)}")
+        preset = MODEL_PRESETS[self.model]
+        if self.dtype is None:
+            self.dtype = preset.dtype
+        if self.max_model_len > preset.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds what {self.model!r} supports "
+                f"({preset.max_model_len}); lower max_model_len"
+            )
+        if self.kv_sharing_fast_prefill and not preset.kv_sharing:
+            raise ValueError(
+                f"kv_sharing_fast_prefill=True needs a model with KV-sharing layers; {self.model!r} has none"
+            )
+        if self.block_size % 16:
+            raise ValueError(f"block_size={self.block_size} must be a multiple of 16 (32 on CPU)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")
+        return self
+
+    @property
+    def fast_prefill(self) -> bool:
+        """Whether this engine runs KV-sharing fast prefill (resolves the `None` default)."""
+        if self.kv_sharing_fast_prefill is None:
+            return MODEL_PRESETS[self.model].kv_sharing
+        return self.kv_sharing_fast_prefill

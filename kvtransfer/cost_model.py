@@ -1,0 +1,121 @@
+"""The planner's cost model: milliseconds to recompute n tokens on a replica, or to pull their KV.
+
+Both are linear models fitted online by least squares over the most recent observations:
+
+    recompute_ms(k new tokens after c cached ones) = a + b*k + d*k*(c + k/2)      (attention grows with context)
+    pull_ms(bytes)                                 = fixed + bytes / bandwidth
+
+Seeded by a short measurement when the app starts, refitted after every observed turn, visible in
+`snapshot()`. No fixed token threshold appears anywhere: the crossover falls where these two meet.
+Not thread-safe; the ingress calls it from one event loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class OnlineLinearFit:
+    """Non-negative least squares over a sliding window of (features, y) samples."""
+
+    def __init__(self, names: Sequence[str], prior: Sequence[float], window: int = 64) -> None:
+        self.names = tuple(names)
+        self.coef = np.asarray(prior, dtype=float)
+        self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+
+    def observe(self, features: Sequence[float], y: float) -> None:
+        self.samples.append((np.asarray(features, dtype=float), float(y)))
+        if len(self.samples) >= len(self.names):
+            self._refit()
+
+    def predict(self, features: Sequence[float]) -> float:
+        return float(np.dot(self.coef, features))
+
+    def _refit(self) -> None:
+        x = np.stack([f for f, _ in self.samples])
+        y = np.array([v for _, v in self.samples])
+        active = list(range(len(self.names)))
+        # Drop features whose coefficient comes out negative (a negative per-token cost is noise).
+        while active:
+            coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+            if (coef >= 0).all():
+                full = np.zeros(len(self.names))
+                full[active] = coef
+                self.coef = full
+                return
+            active.pop(int(np.argmin(coef)))
+
+    def as_dict(self) -> dict[str, float]:
+        return {n: float(c) for n, c in zip(self.names, self.coef, strict=True)} | {"samples": len(self.samples)}
+
+
+def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:
+    return (1.0, float(new_tokens), new_tokens * (context_tokens + new_tokens / 2) / 1e3)
+
+
+@dataclass(frozen=True)
+class LoadView:
+    """What the cost model needs of a replica's stats to estimate its queue wait."""
+
+    running: int
+    waiting: int
+    decode_tok_s: float | None
+
+
+class CostModel:
+    """Time estimates in milliseconds for recompute and pull, calibrated online."""
+
+    # Priors: roughly SmolLM2-135M on one CPU core and NIXL DRAM->DRAM over loopback. They only matter
+    # until the start-up calibration replaces them.
+    PRIOR_PREFILL = (20.0, 0.5, 0.0)
+    PRIOR_PULL = (30.0, 1.0 / 1e6)  # fixed ms, ms per byte (1 GB/s)
+
+    def __init__(self, kv_bytes: Callable[[int], int], window: int = 64) -> None:
+        self.kv_bytes = kv_bytes
+        self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
+        self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
+        self.decode_step_ms = 20.0
+
+    # ---------------------------------------------------------------- estimates (pure)
+
+    def recompute_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """Prefill `new_tokens` on top of `context_tokens` already in the replica's KV cache."""
+        if new_tokens <= 0:
+            return 0.0
+        return max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
+
+    def pull_ms(self, num_tokens: int) -> float:
+        """Transfer the KV of `num_tokens` tokens from a holder (fixed handover part + bytes / bandwidth)."""
+        return max(0.0, self.pull.predict((1.0, float(self.kv_bytes(num_tokens)))))
+
+    def queue_ms(self, load: LoadView) -> float:
+        """Wait before a new request's prefill starts: queued prefills plus decode steps it shares the engine with."""
+        step = 1e3 / load.decode_tok_s if load.decode_tok_s else self.decode_step_ms
+        return load.waiting * self.recompute_ms(256) + load.running * step
+
+    # ---------------------------------------------------------------- calibration (mutates)
+
+    def observe_prefill(self, new_tokens: int, context_tokens: int, ms: float) -> None:
+        if new_tokens > 0 and ms > 0:
+            self.prefill.observe(_prefill_features(new_tokens, context_tokens), ms)
+
+    def observe_pull(self, num_tokens: int, ms: float) -> None:
+        """`ms`: the transfer's share of a pulled turn's prefill time (measured minus the delta's compute)."""
+        if num_tokens > 0 and ms > 0:
+            self.pull.observe((1.0, float(self.kv_bytes(num_tokens))), ms)
+
+    def observe_decode(self, decode_tok_s: float) -> None:
+        if decode_tok_s > 0:
+            self.decode_step_ms = 1e3 / decode_tok_s
+
+    def snapshot(self) -> dict[str, object]:
+        bw = self.pull.coef[1]
+        return {
+            "prefill": self.prefill.as_dict(),
+            "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
+            "decode_step_ms": self.decode_step_ms,
+        }
