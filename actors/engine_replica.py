@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from actors.replica_api import (
 )
 from configs.engine import CPU_HEAD_SIZES, EngineConfig
 from configs.model_store import ensure_model
+from kvtransfer.connector import export_params, kv_transfer_config, release_params
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,11 @@ def _node_identity() -> tuple[str, str]:
 class EngineReplica:
     """One vLLM engine. Methods are coroutines run on the replica's single event loop."""
 
-    def __init__(self, config: EngineConfig | dict[str, Any]) -> None:
+    HEARTBEAT_S = 0.5
+
+    def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None) -> None:
+        """Start the engine. With `directory` (a handle to the KV directory deployment), report identity and
+        load to it every HEARTBEAT_S seconds."""
         self.config = EngineConfig.model_validate(config)
         self.replica_id, local_rank = _replica_context()
         self.node_id, node_ip = _node_identity()
@@ -104,6 +110,10 @@ class EngineReplica:
         self._decode_rate = RateMeter()
         self._finished = 0
         self.engine = self._start_engine(current_platform.device_type)
+        self._stopping = threading.Event()
+        self._directory = directory
+        if directory is not None:
+            self._start_heartbeat()
         logger.info(
             "replica %s started engine %s (model %s, fast prefill %s, nixl %s:%s, cores %s)",
             self.replica_id, self.engine_id, self.config.model, self.config.fast_prefill,
@@ -111,6 +121,19 @@ class EngineReplica:
         )
 
     # ----------------------------------------------------------------------------- start-up
+
+    def _start_heartbeat(self) -> None:
+        """Report identity and load to the directory from a thread, so a busy event loop cannot starve it."""
+        identity = self._identity()
+
+        def beat() -> None:
+            while not self._stopping.wait(self.HEARTBEAT_S):
+                try:
+                    self._directory.heartbeat.remote(identity, self._stats_now()).result(timeout_s=5)
+                except Exception as exc:  # the directory restarts empty; the next beat re-registers us
+                    logger.warning("heartbeat to the KV directory failed: %s", exc)
+
+        threading.Thread(target=beat, name="kvrelay-heartbeat", daemon=True).start()
 
     def _bind_cpu_cores(self, local_rank: int) -> list[int]:
         cores = sorted(os.sched_getaffinity(0))
@@ -133,25 +156,6 @@ class EngineReplica:
         if head_dim not in CPU_HEAD_SIZES:
             raise ValueError(f"head size {head_dim} of {self.config.model!r} is not supported by CPU attention")
 
-    def _kv_transfer_config(self, device_type: str) -> dict[str, Any] | None:
-        nixl = self.config.nixl
-        if not nixl.enabled:
-            return None
-        return {
-            "kv_connector": "NixlConnector",
-            "kv_role": "kv_both",
-            "kv_buffer_device": nixl.kv_buffer_device or device_type,
-            "engine_id": self.engine_id,
-            "kv_load_failure_policy": nixl.load_failure_policy,
-            "kv_connector_extra_config": {
-                "backends": list(nixl.backends),
-                "bidirectional_kv_xfer": nixl.bidirectional,
-                "kv_recompute_threshold": nixl.kv_recompute_threshold,
-                "decoder_kv_blocks_ttl": nixl.hold_ttl_s,
-                "enforce_handshake_compat": nixl.enforce_handshake_compat,
-            },
-        }
-
     def _start_engine(self, device_type: str) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -169,7 +173,9 @@ class EngineReplica:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             seed=cfg.seed,
-            kv_transfer_config=self._kv_transfer_config(device_type),
+            kv_transfer_config=(
+                kv_transfer_config(cfg.nixl, self.engine_id, device_type) if cfg.nixl.enabled else None
+            ),
             worker_extension_cls="actors.worker_extension.KVRelayWorkerExtension",
             # vLLM's periodic log lines off; our stat logger below still receives every step's stats.
             disable_log_stats=True,
@@ -231,27 +237,41 @@ class EngineReplica:
                 stop=s.stop or None,
                 stop_token_ids=s.stop_token_ids or None,
                 ignore_eos=s.ignore_eos,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
                 logprobs=s.logprobs,
                 prompt_logprobs=s.prompt_logprobs,
                 output_kind=RequestOutputKind.DELTA,
-                extra_args={"kv_transfer_params": request.kv_transfer_params}
-                if request.kv_transfer_params
-                else None,
+                extra_args={"kv_transfer_params": self._transfer_params(request)},
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
 
+    def _transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
+        """The planner's params (a pull), else an export so the next turn can pull from here."""
+        if request.kv_transfer_params:
+            return request.kv_transfer_params
+        if self.config.nixl.enabled and self.config.nixl.bidirectional and request.export_hold:
+            return export_params()
+        return None
+
+    async def release_hold(self, hold: dict[str, Any]) -> None:
+        """Free a hold (on this or another replica) before its lease ends; its blocks return to the cache."""
+        await self.engine.notify_kv_transfer_request_rejected(f"release-{uuid.uuid4().hex}", release_params(hold))
+
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[GenerateDelta]:
         """Stream one generation as deltas; the last delta carries totals and vLLM's kv_transfer_params."""
-        from vllm import TokensPrompt
+        from vllm import TextPrompt, TokensPrompt
 
         request = GenerateRequest.model_validate(request)
         params = self._sampling_params(request)
         prompt: Any = (
             TokensPrompt(prompt_token_ids=request.prompt_token_ids)
             if request.prompt_token_ids is not None
-            else request.prompt
+            else TextPrompt(prompt=request.prompt)
         )
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
         started = time.monotonic()
         first_token_at: float | None = None
         prompt_tokens = cached = completion = 0
@@ -333,6 +353,9 @@ class EngineReplica:
     # ----------------------------------------------------------------------------- introspection
 
     async def identity(self) -> ReplicaIdentity:
+        return self._identity()
+
+    def _identity(self) -> ReplicaIdentity:
         return ReplicaIdentity(
             replica_id=self.replica_id,
             engine_id=self.engine_id,
@@ -346,6 +369,9 @@ class EngineReplica:
         )
 
     async def stats(self) -> ReplicaStats:
+        return self._stats_now()
+
+    def _stats_now(self) -> ReplicaStats:
         s = self._scheduler_stats
         return ReplicaStats(
             replica_id=self.replica_id,
@@ -368,6 +394,15 @@ class EngineReplica:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        """Serve calls this on scale-down and shutdown: leave the directory first, then stop the engine."""
+        stopping = getattr(self, "_stopping", None)
+        if stopping is not None:
+            stopping.set()
+        if getattr(self, "_directory", None) is not None:
+            try:
+                self._directory.deregister.remote(self.replica_id)
+            except Exception:  # the directory may be gone already (app teardown)
+                pass
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -28,6 +28,8 @@ class Sampling(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logprobs: int | None = Field(default=None, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0)
 
@@ -43,6 +45,10 @@ class GenerateRequest(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling)
     # Set by kvtransfer's planner only, never taken from a client: they name KV blocks to pull.
     kv_transfer_params: dict[str, Any] | None = None
+    # Isolates tenants inside the engine's own prefix cache (vLLM's cache_salt).
+    cache_salt: str | None = None
+    # Keep this turn's KV pullable afterwards (a hold); the final delta then carries it.
+    export_hold: bool = True
     # Read by the replica router: the replica the planner chose. None lets Serve pick.
     target_replica: str | None = None
 

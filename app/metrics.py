@@ -1,0 +1,41 @@
+"""Prometheus metrics of the ingress: plans by mode, reused tokens, time to first token, errors."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from actors.replica_api import GenerateDelta
+
+
+class IngressMetrics:
+    """One registry per ingress replica, served at /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.plans = Counter("kvrelay_plans", "Turns by the mode they ran in", ["mode"], registry=self.registry)
+        self.reused_tokens = Counter(
+            "kvrelay_reused_tokens", "Prompt tokens not computed (local prefix hit or pulled)", ["mode"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter("kvrelay_prompt_tokens", "Prompt tokens of finished turns", registry=self.registry)
+        self.pull_failures = Counter("kvrelay_pull_failures", "Pulls that failed and were recomputed",
+                                     registry=self.registry)
+        self.ttft = Histogram(
+            "kvrelay_ttft_seconds", "Time to first token seen by the ingress", ["mode"], registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.errors = Counter("kvrelay_errors", "Requests that failed", ["kind"], registry=self.registry)
+
+    def observe_turn(self, outcome, last: GenerateDelta, seconds: float) -> None:
+        mode = outcome.public()["mode"]
+        self.plans.labels(mode=mode).inc()
+        self.reused_tokens.labels(mode=mode).inc(last.num_cached_tokens)
+        self.prompt_tokens.inc(last.prompt_tokens)
+        if outcome.pull_failed:
+            self.pull_failures.inc()
+        if outcome.ttft_ms is not None:
+            self.ttft.labels(mode=mode).observe(outcome.ttft_ms / 1e3)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

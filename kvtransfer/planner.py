@@ -1,0 +1,141 @@
+"""The turn planner: where a conversation turn runs, and whether it reuses a local prefix, pulls, or recomputes.
+
+`plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
+the cost model. It weighs every (target replica, mode) pair and returns the one with the lowest estimated
+time to first token, so a busy holder can lose the turn to an idle replica that pulls from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import NamedTuple
+
+from actors.kv_directory import HoldOffer, LookupResult
+from kvtransfer.cost_model import CostModel, LoadView
+
+logger = logging.getLogger(__name__)
+
+
+class Mode(StrEnum):
+    LOCAL = "local"  # the target's own prefix cache holds part of the history
+    PULL = "pull"  # the target pulls the history's KV from the holder over NIXL
+    RECOMPUTE = "recompute"  # the target computes the whole prompt
+
+
+class ReplicaView(NamedTuple):
+    """A live replica as the planner sees it."""
+
+    replica_id: str
+    running: int = 0
+    waiting: int = 0
+    decode_tok_s: float | None = None
+
+    @property
+    def load(self) -> LoadView:
+        return LoadView(self.running, self.waiting, self.decode_tok_s)
+
+
+class Option(NamedTuple):
+    mode: Mode
+    replica_id: str
+    holder: str | None
+    reused_tokens: int
+    # The part of reused_tokens found in the target's own prefix cache (the rest is pulled).
+    cached_tokens: int
+    estimate_ms: float
+    hold: HoldOffer | None = None
+
+
+class Plan(NamedTuple):
+    """The planner's decision for one turn, with every estimate it weighed."""
+
+    replica_id: str
+    mode: Mode
+    holder: str | None
+    reused_tokens: int
+    cached_tokens: int
+    estimate_ms: float
+    # Best estimate per mode among the options that exist for this turn.
+    estimates_ms: dict[str, float]
+    reason: str
+    hold: HoldOffer | None = None
+
+
+def _options(
+    num_tokens: int, lookup: LookupResult, replicas: Sequence[ReplicaView], cost: CostModel
+) -> list[Option]:
+    live = {r.replica_id for r in replicas}
+    # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
+    holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
+    options: list[Option] = []
+    for replica in replicas:
+        match = lookup.get(replica.replica_id)
+        # vLLM computes at least the last prompt token, so at most num_tokens - 1 can be reused.
+        cached = min(match.cached_tokens if match else 0, num_tokens - 1)
+        queue = cost.queue_ms(replica.load)
+        compute = cost.recompute_ms(num_tokens - cached, cached)
+        mode = Mode.LOCAL if cached > 0 else Mode.RECOMPUTE
+        options.append(Option(mode, replica.replica_id, None, cached, cached, queue + compute))
+        for hold in holds:
+            reused = min(hold.num_tokens, num_tokens - 1)
+            if hold.replica_id == replica.replica_id or reused <= cached:
+                continue
+            transfer = cost.pull_ms(reused - cached)
+            rest = cost.recompute_ms(num_tokens - reused, reused)
+            options.append(
+                Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached, queue + transfer + rest, hold)
+            )
+    return options
+
+
+def plan_turn(
+    num_tokens: int,
+    lookup: LookupResult,
+    replicas: Sequence[ReplicaView],
+    cost: CostModel,
+    preferred_replica: str | None = None,
+) -> Plan:
+    """Choose target replica and mode together, minimising estimated time to first token.
+
+    `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity.
+    """
+    if not replicas:
+        raise ValueError("no live engine replica to plan on")
+    if num_tokens <= 0:
+        raise ValueError("a turn needs at least one prompt token")
+    options = _options(num_tokens, lookup, replicas, cost)
+    best_ms = min(o.estimate_ms for o in options)
+
+    def rank(o: Option) -> tuple[bool, float, bool]:
+        near_best = o.estimate_ms <= best_ms * 1.02 + 0.5
+        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.estimate_ms)
+
+    chosen = min(options, key=rank)
+    estimates: dict[str, float] = {}
+    for o in options:
+        estimates[o.mode] = round(min(estimates.get(o.mode, float("inf")), o.estimate_ms), 2)
+    reason = _reason(chosen, estimates, num_tokens)
+    logger.debug("plan for %d tokens: %s (%s)", num_tokens, chosen, reason)
+    return Plan(
+        replica_id=chosen.replica_id,
+        mode=chosen.mode,
+        holder=chosen.holder,
+        reused_tokens=chosen.reused_tokens,
+        cached_tokens=chosen.cached_tokens,
+        estimate_ms=round(chosen.estimate_ms, 2),
+        estimates_ms=estimates,
+        reason=reason,
+        hold=chosen.hold,
+    )
+
+
+def _reason(chosen: Option, estimates: dict[str, float], num_tokens: int) -> str:
+    others = ", ".join(f"{m} {ms:.0f} ms" for m, ms in estimates.items() if m != chosen.mode)
+    what = {
+        Mode.LOCAL: f"{chosen.reused_tokens}/{num_tokens} tokens already cached on the target",
+        Mode.PULL: f"pull {chosen.reused_tokens}/{num_tokens} tokens from {chosen.holder}",
+        Mode.RECOMPUTE: f"compute all {num_tokens} tokens",
+    }[chosen.mode]
+    return f"{what}: {chosen.estimate_ms:.0f} ms" + (f" (vs {others})" if others else "")
