@@ -242,6 +242,7 @@ class EngineReplica:
                 logprobs=s.logprobs,
                 prompt_logprobs=s.prompt_logprobs,
                 output_kind=RequestOutputKind.DELTA,
+                skip_reading_prefix_cache=True if request.skip_prefix_cache else None,
                 extra_args={"kv_transfer_params": self._transfer_params(request)},
             )
         except ValueError as exc:

@@ -47,6 +47,9 @@ class GenerateRequest(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # Isolates tenants inside the engine's own prefix cache (vLLM's cache_salt).
     cache_salt: str | None = None
+    # Compute the whole prompt even if the prefix cache holds part of it (forced recompute, for
+    # references and benchmarks). A pull request must not set it: it disables the pull.
+    skip_prefix_cache: bool = False
     # Keep this turn's KV pullable afterwards (a hold); the final delta then carries it.
     export_hold: bool = True
     # Read by the replica router: the replica the planner chose. None lets Serve pick.

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from actors.replica_api import GenerateDelta, InvalidRequestError
+from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.metrics import IngressMetrics
 from app.openai_protocol import (
     ChatChoice,
@@ -33,6 +33,7 @@ from app.openai_protocol import (
     CompletionResponse,
     KVRelayInfo,
     PromptTokensDetails,
+    TurnResult,
     Usage,
     new_id,
     now,
@@ -42,6 +43,7 @@ from configs.app import AppConfig
 from configs.model_store import ensure_model
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
+from kvtransfer.planner import Mode
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +216,35 @@ class Ingress:
             return self._completion_chunks(req, turn, self._run(turn), include_usage)
         deltas, outcome = await self._collect(turn)
         return self._completion_response(req, turn, deltas, outcome)
+
+    async def turn(
+        self,
+        token_ids: list[int],
+        sampling: Sampling | dict[str, Any],
+        force: tuple[str, str] | None = None,
+        tenant: str = "",
+    ) -> TurnResult:
+        """The turn path on raw token ids, for tests, benchmarks and token-level clients.
+
+        `force` = (mode, replica_id) runs that option instead of the planner's choice (a forced
+        "recompute" skips the prefix cache), so every option can be measured on the same turn.
+        """
+        turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling), tenant)
+        forced = (Mode(force[0]), force[1]) if force else None
+        deltas, outcome = [], None
+        started = time.monotonic()
+        async for delta, outcome in self.runner.run(turn, forced):
+            deltas.append(delta)
+        last = deltas[-1]
+        return TurnResult(
+            token_ids=[t for d in deltas for t in d.token_ids],
+            text="".join(d.text for d in deltas),
+            finish_reason=last.finish_reason,
+            usage=self._usage(last),
+            kvrelay=KVRelayInfo(**outcome.public()),
+            ttft_ms=outcome.ttft_ms,
+            latency_ms=(time.monotonic() - started) * 1e3,
+        )
 
     async def stats(self) -> dict[str, Any]:
         """Planner counters, the cost model's current fit, the directory and the replicas."""

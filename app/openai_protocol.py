@@ -191,3 +191,15 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     kvrelay: KVRelayInfo
+
+
+class TurnResult(BaseModel):
+    """The result of `Ingress.turn` (token-level turns for tests, benchmarks and Python clients)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    kvrelay: KVRelayInfo
+    ttft_ms: float | None
+    latency_ms: float

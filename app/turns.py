@@ -95,7 +95,7 @@ class TurnRunner:
     async def replicas(self) -> list[ReplicaStats]:
         return await self.directory.live_replicas.remote()
 
-    async def plan(self, turn: Turn) -> tuple[PrefixKey, Plan]:
+    async def plan(self, turn: Turn, force: tuple[Mode, str] | None = None) -> tuple[PrefixKey, Plan]:
         key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
         lookup, replicas = await self.directory.plan_inputs.remote(key)
         views = [ReplicaView(r.replica_id, r.running, r.waiting, r.decode_tok_s) for r in replicas]
@@ -103,11 +103,17 @@ class TurnRunner:
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
             return key, Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet")
-        return key, plan_turn(len(turn.token_ids), lookup, views, self.cost, preferred)
+        return key, plan_turn(len(turn.token_ids), lookup, views, self.cost, preferred, force)
 
-    async def run(self, turn: Turn) -> AsyncIterator[tuple[GenerateDelta, TurnOutcome]]:
-        """Stream the turn's deltas, each with the outcome so far (final on the last delta)."""
-        key, plan = await self.plan(turn)
+    async def run(
+        self, turn: Turn, force: tuple[Mode, str] | None = None
+    ) -> AsyncIterator[tuple[GenerateDelta, TurnOutcome]]:
+        """Stream the turn's deltas, each with the outcome so far (final on the last delta).
+
+        `force` (tests, benchmarks) runs a given (mode, replica); a forced recompute also skips the
+        target's prefix cache, so it measures and reproduces a true recompute.
+        """
+        key, plan = await self.plan(turn, force)
         outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
         self.counters[f"plans_{plan.mode.value}"] += 1
         params = None
@@ -119,14 +125,21 @@ class TurnRunner:
                 # Raced with another turn or expired in between: compute on the same target instead.
                 self.counters["holds_gone"] += 1
         started = time.monotonic()
-        async for delta in self._attempt(turn, plan, params, outcome, started):
+        skip_cache = force is not None and force[0] is Mode.RECOMPUTE
+        async for delta in self._attempt(turn, plan, params, outcome, started, skip_cache):
             yield delta, outcome
         if outcome.pull_failed:
-            async for delta in self._attempt(turn, plan, None, outcome, started):
+            async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
                 yield delta, outcome
 
     async def _attempt(
-        self, turn: Turn, plan: Plan, params: dict[str, Any] | None, outcome: TurnOutcome, started: float
+        self,
+        turn: Turn,
+        plan: Plan,
+        params: dict[str, Any] | None,
+        outcome: TurnOutcome,
+        started: float,
+        skip_cache: bool = False,
     ) -> AsyncIterator[GenerateDelta]:
         request = GenerateRequest(
             request_id=f"{turn.request_id}-{'pull' if params else 'run'}",
@@ -134,6 +147,8 @@ class TurnRunner:
             sampling=turn.sampling,
             kv_transfer_params=params,
             target_replica=plan.replica_id or None,
+            cache_salt=turn.tenant or None,
+            skip_prefix_cache=skip_cache,
         )
         output: list[int] = []
         async for delta in self.engines.options(stream=True).generate.remote(request):
@@ -142,10 +157,10 @@ class TurnRunner:
                 logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
                 self.counters["pull_failures"] += 1
                 outcome.pull_failed = True
-                # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget
-                # all it holds (if it is alive, its next turns record fresh holds).
+                # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget it
+                # and all it holds. If it is alive, its next heartbeat and turns bring it back.
                 if plan.holder:
-                    await self.directory.drop_replica.remote(plan.holder)
+                    await self.directory.deregister.remote(plan.holder)
                 return
             if outcome.ttft_ms is None and delta.token_ids:
                 outcome.ttft_ms = (time.monotonic() - started) * 1e3
@@ -159,7 +174,12 @@ class TurnRunner:
     async def _after_turn(
         self, turn: Turn, key_tokens: list[int], plan: Plan, params: dict[str, Any] | None, last: GenerateDelta
     ) -> None:
-        """Record the replica's new hold and teach the cost model what this turn cost."""
+        """Record the replica's new hold, release the one it supersedes, teach the cost model this turn's cost."""
+        if plan.mode is Mode.LOCAL and plan.hold is not None:
+            # A pending hold pins KV blocks and keeps its engine stepping; the new hold covers more.
+            superseded = await self.directory.consume_hold.remote(plan.hold.hold_id)
+            if superseded is not None:
+                self.engines.release_hold.remote(superseded)
         if is_hold(last.kv_transfer_params):
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
             await self.directory.record_hold.remote(

@@ -14,7 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Bumped whenever the builders or the conversion change what lands on disk, so stale folders get rebuilt.
-STORE_FORMAT_VERSION = 1
+# 2: Gemma3n per-layer embeddings zeroed (vLLM/HF parity); GGUF add_bos_token honoured (Gemma needs BOS).
+STORE_FORMAT_VERSION = 2
+
+# Preset fields that only describe or advise; editing them must not trigger a rebuild.
+_NOT_FINGERPRINTED = {"description", "optional", "dtype"}
 
 # Head sizes the vLLM CPU attention backend has kernels for.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -97,9 +101,8 @@ class ModelPreset(BaseModel):
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the prepared folder; a mismatch means the folder is stale."""
-        payload = json.dumps(
-            {"format": STORE_FORMAT_VERSION, "preset": self.model_dump(mode="json")}, sort_keys=True
-        )
+        fields = self.model_dump(mode="json", exclude=_NOT_FINGERPRINTED)
+        payload = json.dumps({"format": STORE_FORMAT_VERSION, "preset": fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -228,6 +231,19 @@ _PRESETS: list[ModelPreset] = [
         },
     ),
 ]
+
+# The same shapes and tokenizer as tiny-llama with other random weights: a holder whose KV visibly differs,
+# so a test can prove a pulled KV really came from the holder.
+_TINY_LLAMA = next(p for p in _PRESETS if p.name == "tiny-llama")
+_PRESETS.append(
+    _TINY_LLAMA.model_copy(
+        update={
+            "name": "tiny-llama-alt",
+            "seed": 99,
+            "description": "tiny-llama's shapes with other random weights.",
+        }
+    )
+)
 
 MODEL_PRESETS: dict[str, ModelPreset] = {p.name: p for p in _PRESETS}
 

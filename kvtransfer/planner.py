@@ -60,6 +60,7 @@ class Plan(NamedTuple):
     # Best estimate per mode among the options that exist for this turn.
     estimates_ms: dict[str, float]
     reason: str
+    # PULL: the hold to pull. LOCAL: the target's own hold, made redundant by this turn's new one.
     hold: HoldOffer | None = None
 
 
@@ -77,7 +78,9 @@ def _options(
         queue = cost.queue_ms(replica.load)
         compute = cost.recompute_ms(num_tokens - cached, cached)
         mode = Mode.LOCAL if cached > 0 else Mode.RECOMPUTE
-        options.append(Option(mode, replica.replica_id, None, cached, cached, queue + compute))
+        # A local turn supersedes the target's own hold of this history: the runner releases it after.
+        own_hold = match.hold if match is not None and mode is Mode.LOCAL else None
+        options.append(Option(mode, replica.replica_id, None, cached, cached, queue + compute, own_hold))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -96,26 +99,38 @@ def plan_turn(
     replicas: Sequence[ReplicaView],
     cost: CostModel,
     preferred_replica: str | None = None,
+    force: tuple[Mode, str] | None = None,
 ) -> Plan:
     """Choose target replica and mode together, minimising estimated time to first token.
 
     `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity.
+    `force` = (mode, replica) restricts the choice to that pair (tests and benchmarks measure every option);
+    its estimates still cover every option. Raises ValueError if the forced option does not exist.
     """
     if not replicas:
         raise ValueError("no live engine replica to plan on")
     if num_tokens <= 0:
         raise ValueError("a turn needs at least one prompt token")
     options = _options(num_tokens, lookup, replicas, cost)
-    best_ms = min(o.estimate_ms for o in options)
+    candidates = options
+    if force is not None:
+        mode, replica_id = force
+        candidates = [o for o in options if o.replica_id == replica_id and (
+            o.mode is mode or (mode is Mode.RECOMPUTE and o.mode is not Mode.PULL))]
+        if not candidates:
+            raise ValueError(f"no {mode.value} option on replica {replica_id} for this turn")
+    best_ms = min(o.estimate_ms for o in candidates)
 
     def rank(o: Option) -> tuple[bool, float, bool]:
         near_best = o.estimate_ms <= best_ms * 1.02 + 0.5
         return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.estimate_ms)
 
-    chosen = min(options, key=rank)
+    chosen = min(candidates, key=rank)
     estimates: dict[str, float] = {}
     for o in options:
         estimates[o.mode] = round(min(estimates.get(o.mode, float("inf")), o.estimate_ms), 2)
+    if force is not None and force[0] is Mode.RECOMPUTE:
+        chosen = chosen._replace(mode=Mode.RECOMPUTE, reused_tokens=0, cached_tokens=0, hold=None)
     reason = _reason(chosen, estimates, num_tokens)
     logger.debug("plan for %d tokens: %s (%s)", num_tokens, chosen, reason)
     return Plan(

@@ -61,9 +61,11 @@ def ray_cluster() -> Iterator[Any]:
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
+    # Logical CPUs are Ray's scheduling accounting only (vLLM's processes are not counted): room for
+    # the several small apps a session runs side by side on this 2-core machine.
     ray.init(
         address="local",
-        num_cpus=2,
+        num_cpus=8,
         include_dashboard=False,
         object_store_memory=512 * 1024**2,
         _temp_dir=temp_dir,
@@ -78,3 +80,72 @@ def ray_cluster() -> Iterator[Any]:
         pass
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServedApp:
+    """A kvrelay app running in the session's Serve instance."""
+
+    def __init__(self, name: str, base_url: str) -> None:
+        from ray import serve
+
+        self.name = name
+        self.base_url = base_url
+        self.ingress = serve.get_app_handle(name)
+        self.engines = serve.get_deployment_handle("engines", app_name=name)
+
+    def replica_ids(self, count: int, timeout_s: float = 120) -> list[str]:
+        """Ids of the live engine replicas, once `count` of them have reported to the directory."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids = sorted(r["replica_id"] for r in self.ingress.stats.remote().result()["replicas"])
+            if len(ids) >= count or time.monotonic() > deadline:
+                return ids
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster) -> int:
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def run_app(name: str, route_prefix: str, port: int, **config: Any) -> ServedApp:
+    from ray import serve
+
+    from app.builder import build_app
+
+    serve.run(build_app(dict(config, name=name)), name=name, route_prefix=route_prefix)
+    return ServedApp(name, f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}")
+
+
+TINY_ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 2048,
+    "kv_cache_memory_bytes": 64 * 1024**2,
+    # A pending hold keeps its engine stepping (about a core on this box): keep test holds short.
+    "nixl": {"hold_ttl_s": 15},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_app(serve_port) -> Iterator[ServedApp]:
+    """tiny-llama on two replicas: the app most tests talk to."""
+    from ray import serve
+
+    app = run_app("tiny", "/", serve_port, pool={"num_replicas": 2, "engine": dict(TINY_ENGINE, model="tiny-llama")})
+    app.replica_ids(2)
+    yield app
+    serve.delete("tiny")

@@ -445,7 +445,7 @@ class BoundedDirectoryMachine(DirectoryMachine):
 
 
 _machine_settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=50, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestDirectoryAgainstBruteForce = DirectoryMachine.TestCase
 TestDirectoryAgainstBruteForce.settings = _machine_settings
@@ -569,8 +569,9 @@ from vllm import LLM, SamplingParams
 
 def main():
     model_dir, endpoint, replay = sys.argv[1:4]
-    llm = LLM(model=model_dir, enforce_eager=True, max_model_len=512, block_size=32, dtype="float32",
-              kv_cache_memory_bytes=32 * 1024**2, enable_prefix_caching=True, seed=0,
+    # 2 MiB of KV cache is 16 blocks of 32 tokens for this model: a few prompts evict older blocks.
+    llm = LLM(model=model_dir, enforce_eager=True, max_model_len=256, block_size=32, dtype="float32",
+              kv_cache_memory_bytes=2 * 1024**2, enable_prefix_caching=True, seed=0,
               kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
                                 "endpoint": endpoint, "replay_endpoint": replay})
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
@@ -653,29 +654,41 @@ def test_real_vllm_engine_events_follow_its_prefix_cache(tmp_path: Path) -> None
             await asyncio.sleep(0.05)
         return got
 
-    async def scenario() -> tuple[int, int, int, int]:
-        forwarder = KVEventForwarder(
-            "r1", endpoint, ResidentTracker("tiny-llama", 32), send, replay_endpoint=replay
-        )
+    async def generate(tokens: list[int], salt: str | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(call, op="generate", tokens=tokens, salt=salt)
+
+    async def scenario() -> dict[str, int]:
+        tracker = ResidentTracker("tiny-llama", 32)
+        forwarder = KVEventForwarder("r1", endpoint, tracker, send, replay_endpoint=replay)
         forwarder.start()
+        seen: dict[str, int] = {}
         prompt = [(7 * i) % 1500 + 10 for i in range(100)]
-        turn1 = await asyncio.to_thread(call, op="generate", tokens=prompt, salt="tenant-a")
-        history = PrefixKey.build(prompt + turn1["output"], scope, 32)
-        cached_after_turn1 = await settle(history.extend([5, 6, 7]), 96)
-        other_tenant = directory.lookup(prompt, Scope("tiny-llama", "")).matches
-        turn2 = await asyncio.to_thread(
-            call, op="generate", tokens=list(history.token_ids) + [5, 6, 7], salt="tenant-a"
-        )
+        turn1 = await generate(prompt, salt="tenant-a")
+        follow_up = PrefixKey.build(prompt + turn1["output"] + [5, 6, 7], scope, 32)
+        seen["after_turn1"] = await settle(follow_up, 96)
+        seen["other_tenant"] = len(directory.lookup(prompt, Scope("tiny-llama", "")).matches)
+        seen["engine_turn2"] = (await generate(list(follow_up.token_ids), salt="tenant-a"))["cached"]
+        for seed in (1, 2, 3):  # unrelated long prompts push the conversation's blocks out
+            await generate([(seed * 1000 + 13 * i) % 1400 + 20 for i in range(200)])
+        await asyncio.sleep(1.0)  # let the forwarder deliver the removals
+        best = directory.lookup(follow_up).best()
+        seen["predicted_turn3"] = best.cached_tokens if best else 0
+        seen["engine_turn3"] = (await generate(list(follow_up.token_ids), salt="tenant-a"))["cached"]
+        seen["removed"] = tracker.stats().removed
         await asyncio.to_thread(call, op="reset")
-        await asyncio.to_thread(call, op="generate", tokens=[1, 2, 3])  # a step publishes the clear
-        cached_after_reset = await settle(history, 0)
+        await generate([1, 2, 3])  # the next engine step publishes the clear
+        for _ in range(300):
+            if directory.stats().resident_blocks == 0:
+                break
+            await asyncio.sleep(0.05)
+        seen["after_reset"] = directory.stats().resident_blocks
         await forwarder.stop()
-        return cached_after_turn1, len(other_tenant), turn2["cached"], cached_after_reset
+        return seen
 
     try:
         if reply() != "READY":
             pytest.skip("the tiny vLLM engine did not start")
-        after_turn1, other_tenant, engine_cached_turn2, after_reset = asyncio.run(scenario())
+        seen = asyncio.run(scenario())
         child.stdin.write(json.dumps({"op": "quit"}) + "\n")
         child.stdin.flush()
     finally:
@@ -683,8 +696,10 @@ def test_real_vllm_engine_events_follow_its_prefix_cache(tmp_path: Path) -> None
             child.wait(timeout=60)
         except subprocess.TimeoutExpired:
             child.kill()
-    assert after_turn1 == 96  # 100 prompt + 6 generated tokens, 105 computed: 3 full blocks of 32
-    assert other_tenant == 0  # the cache salt is the tenant
-    assert engine_cached_turn2 == 96  # vLLM agrees: turn 2 hit exactly what the directory said
-    assert after_reset == 0
+    assert seen["after_turn1"] == 96  # 100 prompt + 6 generated tokens, 105 computed: 3 full blocks of 32
+    assert seen["other_tenant"] == 0  # the cache salt is the tenant
+    assert seen["engine_turn2"] == 96  # vLLM agrees: turn 2 hit exactly what the directory said
+    assert seen["removed"] > 0 and seen["predicted_turn3"] < 96  # evictions reach the directory
+    assert seen["predicted_turn3"] == seen["engine_turn3"]  # and it still predicts vLLM's hit exactly
+    assert seen["after_reset"] == 0
     directory.check_integrity()

@@ -3,44 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 
 import httpx
-import pytest
-
 from actors.replica_api import GenerateRequest, Sampling
-from app.builder import build_app
-from configs.app import AppConfig, PoolConfig
-from configs.engine import EngineConfig
-
-MiB = 1024**2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_app(ray_cluster):
-    from ray import serve
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = AppConfig(
-        pool=PoolConfig(
-            num_replicas=2,
-            engine=EngineConfig(
-                model="tiny-llama", dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * MiB
-            ),
-        )
-    )
-    serve.run(build_app(config), name="replicas_test", route_prefix="/")
-    engines = serve.get_deployment_handle("engines", app_name="replicas_test")
-    yield engines, f"http://127.0.0.1:{port}"
-    serve.delete("replicas_test")
 
 
 def identities(engines) -> dict:
@@ -55,8 +21,7 @@ def identities(engines) -> dict:
 
 
 def test_each_replica_has_its_own_nixl_port_core_and_engine_id(tiny_app):
-    engines, _ = tiny_app
-    seen = identities(engines)
+    seen = identities(tiny_app.engines)
     assert len(seen) == 2
     a, b = seen.values()
     assert a.nixl_port and b.nixl_port and a.nixl_port != b.nixl_port
@@ -66,7 +31,7 @@ def test_each_replica_has_its_own_nixl_port_core_and_engine_id(tiny_app):
 
 
 def test_both_replicas_stream_when_targeted(tiny_app):
-    engines, _ = tiny_app
+    engines = tiny_app.engines
     replica_ids = list(identities(engines))
 
     async def stream(target: str) -> list:
@@ -89,7 +54,7 @@ def test_both_replicas_stream_when_targeted(tiny_app):
 
 
 def test_minimal_http_ingress_lists_the_model(tiny_app):
-    _, base = tiny_app
+    base = tiny_app.base_url
     models = httpx.get(f"{base}/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200

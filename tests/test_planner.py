@@ -1,0 +1,119 @@
+"""The planner and cost model as pure functions: no Ray, no engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.kv_directory import HoldOffer, LookupResult, ReplicaMatch
+from app.turns import preferred_replica
+from kvtransfer.connector import is_hold, pull_params, release_params
+from kvtransfer.cost_model import CostModel
+from kvtransfer.kv_shape import KVShape
+from kvtransfer.planner import Mode, ReplicaView, plan_turn
+
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+           "head_dim": 64}
+
+
+def calibrated(prefill_ms_per_token: float = 0.3, pull_fixed_ms: float = 8.0, gb_s: float = 2.0) -> CostModel:
+    shape = KVShape.from_hf_config(SMOLLM2, "bfloat16", 32)
+    cost = CostModel(shape.kv_bytes)
+    for n in (64, 256, 1024, 2048):
+        cost.observe_prefill(n, 0, 5.0 + prefill_ms_per_token * n)
+    for n in (256, 1024, 4096):
+        cost.observe_pull(n, pull_fixed_ms + shape.kv_bytes(n) / (gb_s * 1e6))
+    return cost
+
+
+def hold(replica: str, tokens: int, hold_id: int = 1) -> HoldOffer:
+    return HoldOffer(hold_id, replica, tokens, 1e12, {"remote_num_tokens": tokens})
+
+
+def lookup(n: int, *matches: ReplicaMatch) -> LookupResult:
+    return LookupResult(n, tuple(matches))
+
+
+def test_kv_bytes_per_token_matches_smollm2_arithmetic():
+    shape = KVShape.from_hf_config(SMOLLM2, "bfloat16", 32)
+    assert shape.kv_bytes(1) == 2 * 30 * 3 * 64 * 2 == 23040  # 22.5 KiB, as published
+
+
+def test_kv_sharing_and_sliding_layers_store_less():
+    gemma3n = {"num_hidden_layers": 8, "num_kv_shared_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256, "sliding_window": 128,
+               "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3
+               + ["full_attention"]}
+    shape = KVShape.from_hf_config(gemma3n, "float32", 32)
+    assert (shape.full_layers, shape.sliding_layers) == (1, 3)  # shared layers own no KV
+    per_layer_token = 2 * 2 * 64 * 4
+    assert shape.kv_bytes(100) == 4 * 100 * per_layer_token
+    # Past the window, sliding layers stop growing.
+    assert shape.kv_bytes(4000) == (4000 + 3 * (128 + 32)) * per_layer_token
+
+
+def test_cost_model_recovers_the_linear_costs_it_observed():
+    cost = calibrated(prefill_ms_per_token=0.3, pull_fixed_ms=8.0, gb_s=2.0)
+    assert cost.recompute_ms(1000) == pytest.approx(305.0, rel=0.02)
+    bytes_4k = KVShape.from_hf_config(SMOLLM2, "bfloat16", 32).kv_bytes(4096)
+    assert cost.pull_ms(4096) == pytest.approx(8.0 + bytes_4k / 2e6, rel=0.02)
+    assert cost.snapshot()["pull"]["bandwidth_gb_s"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_short_history_is_recomputed_and_long_history_is_pulled():
+    cost = calibrated(prefill_ms_per_token=0.3, pull_fixed_ms=30.0)
+    replicas = [ReplicaView("a"), ReplicaView("b", running=0)]
+    # The holder "a" is gone from the live set: only b can run the turn.
+    live_b = [ReplicaView("b")]
+    short = plan_turn(64 + 32, lookup(96, ReplicaMatch("a", 64, "hold", 64, hold("a", 64))), live_b, cost)
+    assert short.mode is Mode.RECOMPUTE  # holds of dead replicas are never pulled
+    live = replicas
+    long_hist = lookup(4096 + 32, ReplicaMatch("a", 4096, "hold", 4096, hold("a", 4096)))
+    busy_a = [ReplicaView("a", running=0, waiting=30), ReplicaView("b")]
+    plan = plan_turn(4096 + 32, long_hist, busy_a, cost)
+    assert plan.mode is Mode.PULL and plan.replica_id == "b" and plan.holder == "a"
+    assert plan.reused_tokens == 4096
+    assert set(plan.estimates_ms) == {"local", "pull", "recompute"}
+    # With an idle holder the local prefix hit is cheapest.
+    assert plan_turn(4096 + 32, long_hist, live, cost).mode is Mode.LOCAL
+
+
+def test_crossover_moves_with_the_measured_link_not_a_fixed_threshold():
+    fast_link = calibrated(pull_fixed_ms=5.0, gb_s=5.0)
+    slow_link = calibrated(pull_fixed_ms=200.0, gb_s=0.05)
+    n = 1024
+    result = lookup(n + 32, ReplicaMatch("a", n, "hold", 0, hold("a", n)))
+    only_b = [ReplicaView("a", waiting=100), ReplicaView("b")]
+    assert plan_turn(n + 32, result, only_b, fast_link).mode is Mode.PULL
+    assert plan_turn(n + 32, result, only_b, slow_link).mode is Mode.RECOMPUTE
+
+
+def test_at_least_one_prompt_token_is_computed():
+    cost = calibrated()
+    result = lookup(100, ReplicaMatch("a", 100, "resident", 100, None))
+    plan = plan_turn(100, result, [ReplicaView("a")], cost)
+    assert plan.reused_tokens == 99
+
+
+def test_session_hint_breaks_ties_and_moves_minimally():
+    ids = ["r1", "r2", "r3"]
+    owner = preferred_replica("conversation-7", ids)
+    assert owner in ids and preferred_replica("conversation-7", ids) == owner
+    survivors = [r for r in ids if r != owner]
+    others = [s for s in (f"c{i}" for i in range(50)) if preferred_replica(s, ids) != owner]
+    assert all(preferred_replica(s, survivors) == preferred_replica(s, ids) for s in others)
+    cost = calibrated()
+    empty = lookup(50)
+    views = [ReplicaView(r) for r in ids]
+    assert plan_turn(50, empty, views, cost, preferred_replica=owner).replica_id == owner
+
+
+def test_hold_params_are_rewritten_for_a_pull_and_for_a_release():
+    exported = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+                "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 5600,
+                "remote_num_tokens": 40, "remote_request_id": "x"}
+    assert is_hold(exported)
+    pull = pull_params(exported)
+    assert (pull["do_remote_prefill"], pull["do_remote_decode"]) == (False, True)
+    assert release_params(pull)["do_remote_prefill"] is True
+    with pytest.raises(ValueError):
+        pull_params({"do_remote_decode": True})

@@ -1,0 +1,159 @@
+"""Per-turn plans executed for real: NIXL pulls between replicas, recompute, edited history, a dead holder.
+
+Each conversation is run twice through the ingress's turn path: once with every turn forced to recompute
+(the reference), once with every turn after the first pulled from the replica that ran the previous
+turn. Greedy fp32 decoding must give identical tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+
+from actors.engine_replica import EngineReplica
+from actors.replica_api import GenerateRequest, Sampling
+from configs.engine import EngineConfig, NixlSettings
+from kvtransfer.connector import pull_params
+from tests.conftest import TINY_ENGINE, ServedApp, collect, run_app
+
+GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+TURNS = 4
+
+
+def user_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(40, 1000) for _ in range(n)]
+
+
+def converse(app: ServedApp, mode: str, seed: int) -> list[list[int]]:
+    """A 4-turn conversation; `mode` "pull" alternates replicas and pulls, "recompute" recomputes all."""
+    rng = random.Random(seed)
+    replicas = app.replica_ids(2)
+    history = user_tokens(rng, 150)
+    replies = []
+    for turn in range(TURNS):
+        target = replicas[turn % 2]
+        force = ("recompute" if mode == "recompute" or turn == 0 else "pull", target)
+        result = app.ingress.turn.remote(history, GREEDY, force).result(timeout_s=120)
+        assert result.kvrelay.mode == force[0], result.kvrelay
+        assert result.kvrelay.replica == target
+        if force[0] == "pull":
+            assert result.kvrelay.holder == replicas[(turn - 1) % 2]
+            # The engine reports the pulled tokens as cached: all but the last token of the prior turn.
+            assert result.usage.prompt_tokens_details.cached_tokens >= len(history) - 40
+        replies.append(result.token_ids)
+        history = history + result.token_ids + user_tokens(rng, 20)
+    return replies
+
+
+def test_pulls_give_the_same_tokens_as_recompute_on_tiny_llama(tiny_app):
+    assert converse(tiny_app, "pull", seed=1) == converse(tiny_app, "recompute", seed=1)
+
+
+@pytest.fixture(scope="module")
+def gemma_app(serve_port):
+    from ray import serve
+
+    engine = dict(TINY_ENGINE, model="tiny-gemma3n", kv_sharing_fast_prefill=True)
+    app = run_app("gemma", "/gemma", serve_port, pool={"num_replicas": 2, "engine": engine})
+    app.replica_ids(2)
+    yield app
+    serve.delete("gemma")
+
+
+def test_pulls_give_the_same_tokens_as_recompute_on_gemma3n_with_fast_prefill(gemma_app):
+    assert converse(gemma_app, "pull", seed=2) == converse(gemma_app, "recompute", seed=2)
+
+
+def test_planner_reuses_the_history_on_its_own(tiny_app):
+    rng = random.Random(3)
+    history = user_tokens(rng, 300)
+    first = tiny_app.ingress.turn.remote(history, GREEDY).result(timeout_s=120)
+    history = history + first.token_ids + user_tokens(rng, 10)
+    second = tiny_app.ingress.turn.remote(history, GREEDY).result(timeout_s=120)
+    assert second.kvrelay.mode in ("local", "pull")
+    assert second.usage.prompt_tokens_details.cached_tokens >= 288
+    assert set(second.kvrelay.estimates_ms) >= {"recompute", second.kvrelay.mode}
+
+
+def test_edited_history_is_recomputed_and_still_right(tiny_app):
+    rng = random.Random(4)
+    history = user_tokens(rng, 200)
+    first = tiny_app.ingress.turn.remote(history, GREEDY).result(timeout_s=120)
+    edited = list(history)
+    edited[3] = edited[3] + 1  # the client rewrote an early message
+    edited = edited + first.token_ids + user_tokens(rng, 10)
+    answer = tiny_app.ingress.turn.remote(edited, GREEDY).result(timeout_s=120)
+    assert answer.kvrelay.mode == "recompute" and answer.kvrelay.reused_tokens == 0
+    target = answer.kvrelay.replica
+    reference = tiny_app.ingress.turn.remote(edited, GREEDY, ("recompute", target)).result(timeout_s=120)
+    assert answer.token_ids == reference.token_ids
+
+
+def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
+    """A holder with other weights (handshake checks off) changes the puller's output: the KV moved."""
+    def replica(model: str, core: int) -> EngineReplica:
+        return EngineReplica(EngineConfig(
+            model=model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * 1024**2,
+            nixl=NixlSettings(enforce_handshake_compat=False), cpu_core_offset=core))
+
+    holder, puller = replica("tiny-llama-alt", 0), replica("tiny-llama", 1)
+    try:
+        rng = random.Random(5)
+        prompt = user_tokens(rng, 200)
+
+        def generate(r: EngineReplica, ids: list[int], params=None, own_kv_only=False):
+            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=Sampling(**GREEDY),
+                                  kv_transfer_params=params, export_hold=not own_kv_only,
+                                  skip_prefix_cache=own_kv_only)
+            return loop_thread.run(collect(r.generate(req)))
+
+        turn1 = generate(holder, prompt)
+        hold = turn1[-1].kv_transfer_params
+        out1 = [t for d in turn1 for t in d.token_ids]
+        assert hold["remote_num_tokens"] == len(prompt) + len(out1) - 1
+        follow_up = prompt + out1 + user_tokens(rng, 20)
+        pulled = generate(puller, follow_up, pull_params(hold))
+        # The puller's prefix cache now holds the pulled blocks: compute its own answer from scratch.
+        own = generate(puller, follow_up, own_kv_only=True)
+        assert pulled[-1].num_cached_tokens == hold["remote_num_tokens"]
+        assert [t for d in pulled for t in d.token_ids] != [t for d in own for t in d.token_ids]
+    finally:
+        holder.engine.shutdown()
+        puller.engine.shutdown()
+
+
+def test_prompt_logprobs_on_a_fast_prefill_deployment_is_a_400(gemma_app):
+    import httpx
+
+    body = {"model": "tiny-gemma3n", "prompt": "hello", "max_tokens": 2, "prompt_logprobs": 1}
+    resp = httpx.post(f"{gemma_app.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400 and "fast prefill" in resp.json()["error"]["message"]
+    ok = httpx.post(f"{gemma_app.base_url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):
+    import ray
+
+    rng = random.Random(6)
+    replicas = tiny_app.replica_ids(2)
+    history = user_tokens(rng, 300)
+    holder, target = replicas
+    first = tiny_app.ingress.turn.remote(history, GREEDY, ("recompute", holder)).result(timeout_s=120)
+    history = history + first.token_ids + user_tokens(rng, 10)
+    reference = tiny_app.ingress.turn.remote(history, GREEDY, ("recompute", target)).result(timeout_s=120)
+
+    actor = next(
+        ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if holder in a["name"] and "engines" in a["name"]
+    )
+    ray.kill(actor, no_restart=True)
+    answer = tiny_app.ingress.turn.remote(history, GREEDY, ("pull", target)).result(timeout_s=120)
+    assert answer.token_ids == reference.token_ids
+    assert answer.kvrelay.mode == "recompute" and "pull failed" in answer.kvrelay.reason
+    stats = tiny_app.ingress.stats.remote().result()
+    assert stats["counters"]["pull_failures"] >= 1
+    assert holder not in {r["replica_id"] for r in stats["replicas"]}
