@@ -53,15 +53,15 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _replica_context() -> tuple[str, int]:
-    """(replica id, local rank on its node) inside Serve; a fresh id and rank 0 outside it."""
+def _replica_context() -> tuple[str, int, str]:
+    """(replica id, local rank on its node, deployment name) inside Serve; a fresh id outside it."""
     try:
         from ray import serve
 
         ctx = serve.get_replica_context()
-        return ctx.replica_id.unique_id, ctx.rank.local_rank
+        return ctx.replica_id.unique_id, ctx.rank.local_rank, ctx.deployment
     except Exception:  # not running as a Serve replica (a test or benchmark constructing it directly)
-        return f"local-{uuid.uuid4().hex[:8]}", 0
+        return f"local-{uuid.uuid4().hex[:8]}", 0, "engines"
 
 
 def _node_identity() -> tuple[str, str]:
@@ -85,7 +85,7 @@ class EngineReplica:
         """Start the engine. With `directory` (a handle to the KV directory deployment), report identity and
         load to it every HEARTBEAT_S seconds."""
         self.config = EngineConfig.model_validate(config)
-        self.replica_id, local_rank = _replica_context()
+        self.replica_id, local_rank, self.pool = _replica_context()
         self.node_id, node_ip = _node_identity()
         self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
         for key, value in _QUIET_ENV.items():
@@ -376,6 +376,7 @@ class EngineReplica:
         s = self._scheduler_stats
         return ReplicaStats(
             replica_id=self.replica_id,
+            pool=self.pool,
             running=s.num_running_reqs if s else 0,
             waiting=(s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s else 0,
             kv_cache_usage=s.kv_cache_usage if s else 0.0,

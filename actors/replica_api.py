@@ -100,6 +100,8 @@ class ReplicaStats(BaseModel):
     """A snapshot of load and measured speed, for the planner and autoscaling."""
 
     replica_id: str
+    # The deployment the replica belongs to ("engines"; "decode_engines" in a disaggregated app).
+    pool: str = "engines"
     running: int
     waiting: int
     kv_cache_usage: float

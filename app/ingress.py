@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,7 +39,7 @@ from app.openai_protocol import (
     new_id,
     now,
 )
-from app.turns import Turn, TurnOutcome, TurnRunner
+from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
 from configs.app import AppConfig
 from configs.model_store import ensure_model
 from kvtransfer.cost_model import CostModel
@@ -48,6 +49,7 @@ from kvtransfer.planner import Mode
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+CALIBRATION_TENANT = "kvrelay-calibration"
 
 
 class ClientError(Exception):
@@ -91,7 +93,7 @@ def tenant_of(request: Request | None, explicit: str | None = None) -> str:
 class Ingress:
     """Entry point for HTTP (`/v1/...`) and Python handles (`chat`, `completions`)."""
 
-    def __init__(
+    async def __init__(
         self, config: dict[str, Any], directory: DeploymentHandle, engines: DeploymentHandle, **pools: DeploymentHandle
     ) -> None:
         from transformers import AutoTokenizer
@@ -106,10 +108,12 @@ class Ingress:
         shape = KVShape.from_model_dir(model_dir, engine.dtype, engine.block_size)
         self.directory = directory
         self.runner = TurnRunner(
-            engines, self.directory, CostModel(shape.kv_bytes), self.model, engine.block_size, engine.nixl.hold_ttl_s
+            engines, self.directory, CostModel(shape.kv_bytes), self.model, engine.block_size, engine.nixl.hold_ttl_s,
+            decode_engines=pools.get("decode_engines"),
         )
         self.metrics = IngressMetrics()
         self.created = now()
+        self._calibration = asyncio.get_running_loop().create_task(self._calibrate())
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(
@@ -194,7 +198,9 @@ class Ingress:
 
     # ------------------------------------------------------------------------------ Python handle API
 
-    async def chat(self, request: ChatCompletionRequest | dict[str, Any], tenant: str = "", session_id: str | None = None):
+    async def chat(
+        self, request: ChatCompletionRequest | dict[str, Any], tenant: str = "", session_id: str | None = None
+    ):
         """`handle.chat.remote(req)` -> ChatCompletionResponse; with `handle.options(stream=True)` and
         `req.stream=True`, an async stream of chunk dicts (the same objects the SSE stream carries)."""
         req = ChatCompletionRequest.model_validate(request)
@@ -231,10 +237,8 @@ class Ingress:
         """
         turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling), tenant)
         forced = (Mode(force[0]), force[1]) if force else None
-        deltas, outcome = [], None
         started = time.monotonic()
-        async for delta, outcome in self.runner.run(turn, forced):
-            deltas.append(delta)
+        deltas, outcome = await self._collect(turn, forced)
         last = deltas[-1]
         return TurnResult(
             token_ids=[t for d in deltas for t in d.token_ids],
@@ -245,6 +249,47 @@ class Ingress:
             ttft_ms=outcome.ttft_ms,
             latency_ms=(time.monotonic() - started) * 1e3,
         )
+
+    async def plan(self, token_ids: list[int], replicas: list[str] | None = None, tenant: str = "") -> dict[str, Any]:
+        """What the planner would do for this turn now (nothing runs); `replicas` limits the targets."""
+        turn = Turn(new_id("plan"), list(token_ids), Sampling(), tenant)
+        _, plan = await self.runner.plan(turn, targets=replicas)
+        return {"mode": plan.mode.value, "replica": plan.replica_id, "holder": plan.holder,
+                "reused_tokens": plan.reused_tokens, "estimates_ms": plan.estimates_ms, "reason": plan.reason}
+
+    async def _calibrate(self) -> None:
+        """Seed the cost model by measuring a few recomputes and pulls on the live replicas (start-up only).
+
+        Synthetic turns run under their own tenant, so they never match a real conversation.
+        """
+        try:
+            replicas: list = []
+            for _ in range(600):
+                replicas = await self.runner.replicas()
+                if len(replicas) >= 1:
+                    break
+                await asyncio.sleep(0.5)
+            ids = [r.replica_id for r in replicas if r.pool == PREFILL_POOL]
+            if not ids:
+                return
+            rng = random.Random(0)
+            vocab = len(self.tokenizer)
+            lengths = [n for n in (64, 256, 1024, 2048) if n + 64 < self.max_model_len]
+            one = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+            for n in lengths:
+                history = [rng.randrange(100, vocab) for _ in range(n)]
+                first = await self.turn(history, one, ("recompute", ids[0]), tenant=CALIBRATION_TENANT)
+                if len(ids) > 1:
+                    follow_up = history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)]
+                    await self.turn(follow_up, one, ("pull", ids[1]), tenant=CALIBRATION_TENANT)
+            logger.info("cost model calibrated on %s: %s", ids, self.runner.cost.snapshot())
+        except Exception:  # calibration only sharpens the priors; serving must not depend on it
+            logger.exception("cost model calibration failed; keeping the priors")
+
+    async def calibrated(self) -> dict[str, Any]:
+        """Wait for the start-up calibration and return the cost model's fit."""
+        await asyncio.shield(self._calibration)
+        return self.runner.cost.snapshot()
 
     async def stats(self) -> dict[str, Any]:
         """Planner counters, the cost model's current fit, the directory and the replicas."""
@@ -309,21 +354,23 @@ class Ingress:
             ids = req.prompt
         return self._turn(req, list(ids), tenant, session_id)
 
-    async def _run(self, turn: Turn) -> AsyncIterator[tuple[GenerateDelta, TurnOutcome]]:
+    async def _run(
+        self, turn: Turn, force: tuple[Mode, str] | None = None
+    ) -> AsyncIterator[tuple[GenerateDelta, TurnOutcome]]:
         started = time.monotonic()
         try:
-            async for delta, outcome in self.runner.run(turn):
+            async for delta, outcome in self.runner.run(turn, force):
                 if delta.finished:
                     self.metrics.observe_turn(outcome, delta, time.monotonic() - started)
                 yield delta, outcome
         except InvalidRequestError as exc:
             raise ClientError(400, str(exc)) from None
 
-    async def _collect(self, turn: Turn) -> tuple[list[GenerateDelta], TurnOutcome]:
-        deltas, outcome = [], None
-        async for delta, outcome in self._run(turn):
-            deltas.append(delta)
-        return deltas, outcome
+    async def _collect(
+        self, turn: Turn, force: tuple[Mode, str] | None = None
+    ) -> tuple[list[GenerateDelta], TurnOutcome]:
+        items = [item async for item in self._run(turn, force)]
+        return [delta for delta, _ in items], items[-1][1]
 
     # ------------------------------------------------------------------------------ response shapes
 

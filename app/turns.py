@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from actors.prefix_hash import PrefixKey, Scope
@@ -24,6 +24,8 @@ from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn
 
 logger = logging.getLogger(__name__)
+
+PREFILL_POOL = "engines"
 
 
 @dataclass
@@ -83,8 +85,11 @@ class TurnRunner:
         model: str,
         block_size: int,
         hold_ttl_s: float,
+        decode_engines: Any = None,
     ) -> None:
         self.engines = engines
+        # Disaggregated: `engines` prefill (one token, leaving a hold), `decode_engines` pull it and decode.
+        self.decode_engines = decode_engines
         self.directory = directory
         self.cost = cost
         self.model = model
@@ -95,15 +100,19 @@ class TurnRunner:
     async def replicas(self) -> list[ReplicaStats]:
         return await self.directory.live_replicas.remote()
 
-    async def plan(self, turn: Turn, force: tuple[Mode, str] | None = None) -> tuple[PrefixKey, Plan]:
+    async def plan(
+        self, turn: Turn, force: tuple[Mode, str] | None = None, targets: Sequence[str] | None = None
+    ) -> tuple[PrefixKey, Plan]:
+        """Plan a turn; `targets` limits where it may run (holders may be any live replica)."""
         key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
         lookup, replicas = await self.directory.plan_inputs.remote(key)
         views = [ReplicaView(r.replica_id, r.running, r.waiting, r.decode_tok_s) for r in replicas]
+
         preferred = preferred_replica(turn.session_id, [v.replica_id for v in views])
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
             return key, Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet")
-        return key, plan_turn(len(turn.token_ids), lookup, views, self.cost, preferred, force)
+        return key, plan_turn(len(turn.token_ids), lookup, views, self.cost, preferred, force, targets)
 
     async def run(
         self, turn: Turn, force: tuple[Mode, str] | None = None
@@ -113,7 +122,11 @@ class TurnRunner:
         `force` (tests, benchmarks) runs a given (mode, replica); a forced recompute also skips the
         target's prefix cache, so it measures and reproduces a true recompute.
         """
-        key, plan = await self.plan(turn, force)
+        targets = None
+        if self.decode_engines is not None:
+            # Turns start on the prefill pool; holders may be any replica (decode replicas hold the history).
+            targets = [r.replica_id for r in await self.replicas() if r.pool == PREFILL_POOL]
+        key, plan = await self.plan(turn, force, targets)
         outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
         self.counters[f"plans_{plan.mode.value}"] += 1
         params = None
@@ -126,11 +139,44 @@ class TurnRunner:
                 self.counters["holds_gone"] += 1
         started = time.monotonic()
         skip_cache = force is not None and force[0] is Mode.RECOMPUTE
+        if self.decode_engines is not None:
+            async for delta in self._run_disaggregated(turn, plan, params, outcome, started, skip_cache):
+                yield delta, outcome
+            return
         async for delta in self._attempt(turn, plan, params, outcome, started, skip_cache):
             yield delta, outcome
         if outcome.pull_failed:
             async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
                 yield delta, outcome
+
+    async def _run_disaggregated(
+        self, turn: Turn, plan: Plan, params: dict[str, Any] | None, outcome: TurnOutcome, started: float,
+        skip_cache: bool,
+    ) -> AsyncIterator[GenerateDelta]:
+        """Prefill on P (pulling the history when planned) with one output token, then P->D and decode on D."""
+        prefill = replace(turn, sampling=turn.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
+        prefilled = [d async for d in self._attempt(prefill, plan, params, outcome, started, skip_cache, "prefill")]
+        if outcome.pull_failed:
+            prefilled = [d async for d in self._attempt(prefill, plan, None, outcome, started, skip_cache, "prefill")]
+        handoff = prefilled[-1].kv_transfer_params if prefilled else None
+        if not is_hold(handoff):
+            # P could not hand its KV over: it is a kv_both replica, so let it run the whole turn.
+            self.counters["handoff_failures"] += 1
+            async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
+                yield delta
+            return
+        outcome.ttft_ms = None  # P's token is not shown: the client's first token comes from D
+        reused = prefilled[-1].num_cached_tokens
+        decode_plan = plan._replace(replica_id="")
+        async for delta in self._attempt(turn, decode_plan, handoff, outcome, started, stage="decode"):
+            if delta.finished:
+                delta.num_cached_tokens = reused
+                outcome.reused_tokens = reused
+            yield delta
+        if outcome.pull_failed:  # D could not read P's KV: P recomputes and serves the turn itself
+            outcome.pull_failed = False
+            async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
+                yield delta
 
     async def _attempt(
         self,
@@ -140,9 +186,12 @@ class TurnRunner:
         outcome: TurnOutcome,
         started: float,
         skip_cache: bool = False,
+        stage: str = "turn",
     ) -> AsyncIterator[GenerateDelta]:
+        """One request to one replica. `stage` "prefill" or "decode" for the two halves of a P/D turn."""
+        engines = self.decode_engines if stage == "decode" else self.engines
         request = GenerateRequest(
-            request_id=f"{turn.request_id}-{'pull' if params else 'run'}",
+            request_id=f"{turn.request_id}-{stage}-{'kv' if params else 'run'}",
             prompt_token_ids=turn.token_ids,
             sampling=turn.sampling,
             kv_transfer_params=params,
@@ -151,7 +200,7 @@ class TurnRunner:
             skip_prefix_cache=skip_cache,
         )
         output: list[int] = []
-        async for delta in self.engines.options(stream=True).generate.remote(request):
+        async for delta in engines.options(stream=True).generate.remote(request):
             if delta.finished and params is not None and is_load_failure(delta.finish_reason):
                 # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
                 logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
@@ -168,18 +217,10 @@ class TurnRunner:
             if delta.finished:
                 outcome.replica_id = delta.replica_id
                 outcome.reused_tokens = delta.num_cached_tokens
-                await self._after_turn(turn, key_tokens=turn.token_ids + output, plan=plan, params=params, last=delta)
+                await self._after_turn(turn, turn.token_ids + output, plan, params, delta, stage)
             yield delta
 
-    async def _after_turn(
-        self, turn: Turn, key_tokens: list[int], plan: Plan, params: dict[str, Any] | None, last: GenerateDelta
-    ) -> None:
-        """Record the replica's new hold, release the one it supersedes, teach the cost model this turn's cost."""
-        if plan.mode is Mode.LOCAL and plan.hold is not None:
-            # A pending hold pins KV blocks and keeps its engine stepping; the new hold covers more.
-            superseded = await self.directory.consume_hold.remote(plan.hold.hold_id)
-            if superseded is not None:
-                self.engines.release_hold.remote(superseded)
+    async def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
         if is_hold(last.kv_transfer_params):
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
             await self.directory.record_hold.remote(
@@ -189,6 +230,31 @@ class TurnRunner:
                 time.time() + self.hold_ttl_s,
                 held_tokens(last.kv_transfer_params),
             )
+
+    async def _after_turn(
+        self,
+        turn: Turn,
+        key_tokens: list[int],
+        plan: Plan,
+        params: dict[str, Any] | None,
+        last: GenerateDelta,
+        stage: str,
+    ) -> None:
+        """Record the replica's new hold, release the one it supersedes, teach the cost model this turn's cost.
+
+        A P/D prefill's hold is the decode replica's to read, so it is not recorded; a decode replica's
+        prefill time is its transfer, not compute, so it teaches nothing.
+        """
+        if stage == "decode":
+            await self._record_hold(turn, key_tokens, last)
+            return
+        if plan.mode is Mode.LOCAL and plan.hold is not None:
+            # A pending hold pins KV blocks and keeps its engine stepping; the new hold covers more.
+            superseded = await self.directory.consume_hold.remote(plan.hold.hold_id)
+            if superseded is not None:
+                self.engines.release_hold.remote(superseded)
+        if stage == "turn":
+            await self._record_hold(turn, key_tokens, last)
         if last.prefill_s is None:
             return
         prefill_ms = last.prefill_s * 1e3

@@ -8,7 +8,7 @@ time to first token, so a busy holder can lose the turn to an idle replica that 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -65,13 +65,19 @@ class Plan(NamedTuple):
 
 
 def _options(
-    num_tokens: int, lookup: LookupResult, replicas: Sequence[ReplicaView], cost: CostModel
+    num_tokens: int,
+    lookup: LookupResult,
+    replicas: Sequence[ReplicaView],
+    cost: CostModel,
+    targets: Collection[str] | None = None,
 ) -> list[Option]:
     live = {r.replica_id for r in replicas}
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
     holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
     options: list[Option] = []
     for replica in replicas:
+        if targets is not None and replica.replica_id not in targets:
+            continue
         match = lookup.get(replica.replica_id)
         # vLLM computes at least the last prompt token, so at most num_tokens - 1 can be reused.
         cached = min(match.cached_tokens if match else 0, num_tokens - 1)
@@ -100,18 +106,23 @@ def plan_turn(
     cost: CostModel,
     preferred_replica: str | None = None,
     force: tuple[Mode, str] | None = None,
+    targets: Collection[str] | None = None,
 ) -> Plan:
     """Choose target replica and mode together, minimising estimated time to first token.
 
     `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity.
     `force` = (mode, replica) restricts the choice to that pair (tests and benchmarks measure every option);
     its estimates still cover every option. Raises ValueError if the forced option does not exist.
+    `targets` limits where the turn may run (a prefill pool, a benchmark's "off the holder" question);
+    holds on any live replica can still be pulled.
     """
     if not replicas:
         raise ValueError("no live engine replica to plan on")
     if num_tokens <= 0:
         raise ValueError("a turn needs at least one prompt token")
-    options = _options(num_tokens, lookup, replicas, cost)
+    options = _options(num_tokens, lookup, replicas, cost, targets)
+    if not options:
+        raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
     candidates = options
     if force is not None:
         mode, replica_id = force

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 
 import httpx
+
 from actors.replica_api import GenerateRequest, Sampling
 
 

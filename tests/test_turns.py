@@ -10,13 +10,11 @@ from __future__ import annotations
 import random
 import uuid
 
-import pytest
-
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, Sampling
 from configs.engine import EngineConfig, NixlSettings
 from kvtransfer.connector import pull_params
-from tests.conftest import TINY_ENGINE, ServedApp, collect, run_app
+from tests.conftest import ServedApp, collect
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 TURNS = 4
@@ -49,21 +47,6 @@ def converse(app: ServedApp, mode: str, seed: int) -> list[list[int]]:
 
 def test_pulls_give_the_same_tokens_as_recompute_on_tiny_llama(tiny_app):
     assert converse(tiny_app, "pull", seed=1) == converse(tiny_app, "recompute", seed=1)
-
-
-@pytest.fixture(scope="module")
-def gemma_app(serve_port):
-    from ray import serve
-
-    engine = dict(TINY_ENGINE, model="tiny-gemma3n", kv_sharing_fast_prefill=True)
-    app = run_app("gemma", "/gemma", serve_port, pool={"num_replicas": 2, "engine": engine})
-    app.replica_ids(2)
-    yield app
-    serve.delete("gemma")
-
-
-def test_pulls_give_the_same_tokens_as_recompute_on_gemma3n_with_fast_prefill(gemma_app):
-    assert converse(gemma_app, "pull", seed=2) == converse(gemma_app, "recompute", seed=2)
 
 
 def test_planner_reuses_the_history_on_its_own(tiny_app):
@@ -122,16 +105,6 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
     finally:
         holder.engine.shutdown()
         puller.engine.shutdown()
-
-
-def test_prompt_logprobs_on_a_fast_prefill_deployment_is_a_400(gemma_app):
-    import httpx
-
-    body = {"model": "tiny-gemma3n", "prompt": "hello", "max_tokens": 2, "prompt_logprobs": 1}
-    resp = httpx.post(f"{gemma_app.base_url}/v1/completions", json=body, timeout=60)
-    assert resp.status_code == 400 and "fast prefill" in resp.json()["error"]["message"]
-    ok = httpx.post(f"{gemma_app.base_url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60)
-    assert ok.status_code == 200
 
 
 def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):

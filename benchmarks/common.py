@@ -1,0 +1,89 @@
+"""Shared set-up for benchmarks: a local Ray cluster on loopback and a kvrelay app with the default model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def loopback_ray_env() -> None:
+    """Ray binds 127.0.0.1, writes no token file, reports nothing; vLLM stays offline. Call before importing ray."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.pop("RAY_ADDRESS", None)
+    for key in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "HF_HUB_OFFLINE"):
+        os.environ.setdefault(key, "1")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class BenchApp:
+    ingress: Any
+    engines: Any
+    base_url: str
+    model: str
+    vocab_size: int
+    temp_dir: str
+
+    def replica_ids(self, count: int, timeout_s: float = 600) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids = sorted(r["replica_id"] for r in self.ingress.stats.remote().result()["replicas"])
+            if len(ids) >= count or time.monotonic() > deadline:
+                return ids
+            time.sleep(0.5)
+
+
+def start_app(model: str | None = None, num_replicas: int = 2, **engine: Any) -> BenchApp:
+    """Start Ray and serve a kvrelay app (default model unless given); waits until replicas report."""
+    loopback_ray_env()
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from app.builder import build_app
+    from configs.model_store import ensure_model
+    from configs.models import DEFAULT_MODEL
+
+    model = model or DEFAULT_MODEL
+    temp_dir = tempfile.mkdtemp(prefix="kvb", dir="/tmp")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=512 * 1024**2,
+             _temp_dir=temp_dir, logging_level="WARNING", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+    config = {"name": "bench", "pool": {"num_replicas": num_replicas, "engine": dict(engine, model=model)}}
+    serve.run(build_app(config), name="bench", route_prefix="/")
+    app = BenchApp(
+        ingress=serve.get_app_handle("bench"),
+        engines=serve.get_deployment_handle("engines", app_name="bench"),
+        base_url=f"http://127.0.0.1:{port}",
+        model=model,
+        vocab_size=len(AutoTokenizer.from_pretrained(ensure_model(model))),
+        temp_dir=temp_dir,
+    )
+    app.replica_ids(num_replicas)
+    return app
+
+
+def stop_app(app: BenchApp) -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    shutil.rmtree(app.temp_dir, ignore_errors=True)

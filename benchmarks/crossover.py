@@ -1,0 +1,128 @@
+"""Where pulling a conversation's KV beats recomputing it, measured on the real default model, and the planner's regret.
+
+    python -m benchmarks.crossover --out benchmarks/results/crossover.json [--quick]
+
+For each history length and new-turn delta, one run measures time to first token (through the ingress's
+turn path) of the same turn three ways, each on fresh conversations:
+  local     - on the replica that ran the previous turn (its prefix cache holds the history),
+  pull      - on the other replica, pulling the history's KV over NIXL from the holder,
+  recompute - on the other replica, computing everything.
+It records what the planner chooses for the turn (`chosen`), and what it chooses when the turn must run
+off the holder (`chosen_off_holder`, pull vs recompute), each with its regret against the measured best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.common import start_app, stop_app
+
+GREEDY_ONE = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+
+def measure(ingress, vocab: int, history: int, delta: int, reps: int, replicas: list[str], rng: random.Random):
+    holder, other = replicas
+    ttft: dict[str, list[float]] = {"local": [], "pull": [], "recompute": []}
+    plans: list[tuple[dict, dict]] = []
+    for _ in range(reps):
+        for mode, target in (("local", holder), ("pull", other), ("recompute", other)):
+            prompt = [rng.randrange(100, vocab) for _ in range(history)]
+            first = ingress.turn.remote(prompt, GREEDY_ONE, ("recompute", holder)).result()
+            follow = prompt + first.token_ids + [rng.randrange(100, vocab) for _ in range(delta)]
+            if mode == "local":  # ask the planner before the turn consumes anything
+                plans.append((ingress.plan.remote(follow).result(), ingress.plan.remote(follow, [other]).result()))
+            result = ingress.turn.remote(follow, GREEDY_ONE, (mode, target)).result()
+            ttft[mode].append(result.ttft_ms)
+    return {m: statistics.median(v) for m, v in ttft.items()}, plans[-1]
+
+
+def regret(ttft: dict[str, float], chosen: str, among: tuple[str, ...]) -> float:
+    best = min(ttft[m] for m in among)
+    return round((ttft[chosen] - best) / best, 4)
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len({p["delta"] for p in points}), figsize=(11, 4), squeeze=False)
+    for ax, delta in zip(axes[0], sorted({p["delta"] for p in points}), strict=True):
+        pts = [p for p in points if p["delta"] == delta]
+        xs = [p["history"] for p in pts]
+        for mode, style in (("recompute", "o-"), ("pull", "s-"), ("local", "^-")):
+            ax.plot(xs, [p["ttft_ms"][mode] for p in pts], style, label=mode)
+        for p in pts:
+            ax.annotate(p["chosen_off_holder"][0], (p["history"], p["ttft_ms"][p["chosen_off_holder"]]),
+                        textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("history tokens")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"new-turn delta {delta} tokens (letter: planner's choice off the holder)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="histories 64, 1024, 4096 and 2 repetitions")
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args()
+    histories = [64, 1024, 4096] if args.quick else [64, 256, 1024, 2048, 4096]
+    reps = args.reps or (2 if args.quick else 3)
+    deltas = [32, 256]
+
+    app = start_app(max_model_len=4096 + 256 + 64, kv_cache_memory_bytes=768 * 1024**2)
+    try:
+        ingress = app.ingress
+        print("cost model after start-up calibration:", json.dumps(ingress.calibrated.remote().result()), flush=True)
+        replicas = app.replica_ids(2)
+        vocab = app.vocab_size
+        rng = random.Random(0)
+        # Warm both replicas and their NIXL handshakes, outside the measurement.
+        measure(ingress, vocab, 256, 32, 1, replicas, rng)
+        points = []
+        for history in histories:
+            for delta in deltas:
+                ttft, (plan_any, plan_off) = measure(ingress, vocab, history, delta, reps, replicas, rng)
+                point = {
+                    "history": history,
+                    "delta": delta,
+                    "ttft_ms": {m: round(v, 1) for m, v in ttft.items()},
+                    "chosen": plan_any["mode"],
+                    "regret": regret(ttft, plan_any["mode"], ("local", "pull", "recompute")),
+                    "chosen_off_holder": plan_off["mode"],
+                    "regret_off_holder": regret(ttft, plan_off["mode"], ("pull", "recompute")),
+                    "estimates_ms": plan_any["estimates_ms"],
+                }
+                points.append(point)
+                print(json.dumps(point), flush=True)
+        cost = ingress.stats.remote().result()["cost_model"]
+    finally:
+        stop_app(app)
+    result = {
+        "model": app.model,
+        "machine": {"cpus": os.cpu_count()},
+        "reps": reps,
+        "points": points,
+        "max_regret": max(max(p["regret"], p["regret_off_holder"]) for p in points),
+        "cost_model": cost,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(points, args.out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in ("max_regret",)}), "written", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Disaggregated topology: prefill on one replica, P->D over NIXL, decode on another, history pulled back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.conftest import TINY_ENGINE, run_app
+from tests.test_turns import GREEDY, TURNS, user_tokens
+
+
+@pytest.fixture(scope="module")
+def disagg_app(serve_port):
+    from ray import serve
+
+    engine = dict(TINY_ENGINE, model="tiny-llama")
+    app = run_app("disagg", "/disagg", serve_port, topology="disaggregated",
+                  pool={"num_replicas": 1, "engine": engine}, decode_pool={"num_replicas": 1, "engine": engine})
+    app.replica_ids(2)
+    yield app
+    serve.delete("disagg")
+
+
+def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disagg_app, tiny_app):
+    rng = random.Random(7)
+    history = user_tokens(rng, 150)
+    reference_replica = tiny_app.replica_ids(1)[0]
+    stats = disagg_app.ingress.stats.remote().result()["replicas"]
+    decoders = {r["replica_id"] for r in stats if r["pool"] == "decode_engines"}
+    for turn in range(TURNS):
+        result = disagg_app.ingress.turn.remote(history, GREEDY).result(timeout_s=120)
+        reference = tiny_app.ingress.turn.remote(history, GREEDY, ("recompute", reference_replica)).result(
+            timeout_s=120)
+        assert result.token_ids == reference.token_ids, turn
+        assert result.kvrelay.replica in decoders  # the reply streamed from the decode replica
+        if turn > 0:
+            assert result.usage.prompt_tokens_details.cached_tokens > 0, result.kvrelay
+        history = history + result.token_ids + user_tokens(rng, 20)

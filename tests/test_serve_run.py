@@ -1,0 +1,60 @@
+"""`serve run serve_config.yaml` as a user runs it: the real default model on two replicas, on 127.0.0.1:8000."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+BASE = "http://127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve_run") / "serve_run.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    serve_bin = Path(sys.executable).parent / "serve"
+    with open(log, "wb") as out:
+        # A new session so SIGTERM reaches serve and the Ray cluster it started; `--address local` keeps it
+        # apart from the test session's own cluster.
+        proc = subprocess.Popen([str(serve_bin), "run", "--address", "local", "serve_config.yaml"], cwd=REPO_ROOT,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{BASE}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail("serve run did not become healthy in 900 s:\n" + log.read_text()[-3000:])
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def test_serve_run_serves_the_default_model(served):
+    models = httpx.get(f"{BASE}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    body = {"model": "smollm2-135m-instruct", "messages": question, "max_tokens": 16, "temperature": 0}
+    reply = httpx.post(f"{BASE}/v1/chat/completions", json=body, timeout=120).json()
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+    assert httpx.get(f"{BASE}/health", timeout=30).json()["replicas"] == 2
