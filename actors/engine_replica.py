@@ -299,6 +299,9 @@ class EngineReplica:
                     delta.num_cached_tokens = cached
                     delta.kv_transfer_params = out.kv_transfer_params
                     delta.prefill_s = self._observe_speeds(out, started, first_token_at, now, completion)
+                    metrics = out.metrics
+                    if metrics is not None and metrics.scheduled_ts and metrics.queued_ts:
+                        delta.wait_s = metrics.scheduled_ts - metrics.queued_ts
                 yield delta
         except ValueError as exc:
             if first_token_at is not None:

@@ -77,8 +77,11 @@ class GenerateDelta(BaseModel):
     num_cached_tokens: int = 0
     # What vLLM's connector returned (an exported hold in bidirectional mode).
     kv_transfer_params: dict[str, Any] | None = None
-    # Seconds from the engine scheduling the request to its first token (prefill time), if known.
+    # Seconds from the engine scheduling the request to its first token (prefill compute), if known.
     prefill_s: float | None = None
+    # Seconds from the request reaching the engine to its scheduling: queueing, and for a pull the wait for
+    # the KV to arrive (vLLM schedules a pulling request only once its KV is in).
+    wait_s: float | None = None
     replica_id: str = ""
 
 

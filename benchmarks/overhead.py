@@ -1,0 +1,107 @@
+"""What the ingress adds on top of calling an engine replica directly: per request, and per streamed chunk.
+
+    python -m benchmarks.overhead --out benchmarks/results/overhead.json [--requests 60] [--model NAME]
+
+Each sample pairs, back to back and in alternating order, the same short completion sent (a) over HTTP
+through the proxy, the ingress, its directory lookup and planner, and (b) straight to the replica the plan
+chose, through a Serve handle. The prompt is a prefix-cache hit on every replica after warm-up, so both
+paths do the same engine work; the paired difference is the ingress's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from actors.replica_api import GenerateRequest, Sampling
+from benchmarks.common import start_app, stop_app
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def direct(engines, prompt: list[int], max_tokens: int, target: str) -> tuple[float, list[float]]:
+    """(latency ms, arrival times of each delta) calling the replica through its Serve handle."""
+    request = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, target_replica=target,
+                              sampling=Sampling(max_tokens=max_tokens, ignore_eos=True))
+    start = time.perf_counter()
+    arrivals = [time.perf_counter() async for _ in engines.options(stream=True).generate.remote(request)]
+    return (time.perf_counter() - start) * 1e3, arrivals
+
+
+async def via_http(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+                   stream: bool) -> tuple[float, list[float], str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        replica = json.loads(resp.headers["x-kvrelay-plan"])["replica"]
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.perf_counter())
+    return (time.perf_counter() - start) * 1e3, arrivals, replica
+
+
+async def run(app, requests: int, stream_tokens: int) -> dict:
+    prompt = list(range(100, 164))
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
+        _, _, replica = await via_http(client, app.model, prompt, 2, False)
+        for _ in range(5):  # warm both paths and the prefix cache of the chosen replica
+            await direct(app.engines, prompt, 2, replica)
+            await via_http(client, app.model, prompt, 2, False)
+        added = []
+        for i in range(requests):
+            if i % 2:
+                d, _ = await direct(app.engines, prompt, 2, replica)
+                h, _, replica = await via_http(client, app.model, prompt, 2, False)
+            else:
+                h, _, replica = await via_http(client, app.model, prompt, 2, False)
+                d, _ = await direct(app.engines, prompt, 2, replica)
+            added.append(h - d)
+        chunk_added = []
+        for _ in range(max(4, requests // 10)):
+            _, d_arrivals = await direct(app.engines, prompt, stream_tokens, replica)
+            _, h_arrivals, replica = await via_http(client, app.model, prompt, stream_tokens, True)
+            d_gaps = [b - a for a, b in zip(d_arrivals[1:], d_arrivals[2:], strict=False)]
+            h_gaps = [b - a for a, b in zip(h_arrivals[1:], h_arrivals[2:], strict=False)]
+            chunk_added.append((statistics.median(h_gaps) - statistics.median(d_gaps)) * 1e3)
+    return {
+        "ingress_added_ms_p50": round(pct(added, 0.5), 3),
+        "ingress_added_ms_p99": round(pct(added, 0.99), 3),
+        "stream_chunk_added_ms_p50": round(statistics.median(chunk_added), 3),
+        "requests": requests,
+        "stream_tokens": stream_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--stream-tokens", type=int, default=32)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    app = start_app(model=args.model, max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2)
+    try:
+        figures = asyncio.run(run(app, args.requests, args.stream_tokens))
+    finally:
+        stop_app(app)
+    figures["model"] = app.model
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    print(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
