@@ -149,3 +149,8 @@ def tiny_app(serve_port) -> Iterator[ServedApp]:
     app.replica_ids(2)
     yield app
     serve.delete("tiny")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run `serve run` first: it starts its own Ray cluster, which fails to come up beside the session's."""
+    items.sort(key=lambda item: 0 if item.path.name == "test_serve_run.py" else 1)

@@ -31,8 +31,6 @@ from actors.kv_directory import (
     ResidentResult,
     StoreResident,
     hold_expiry,
-    key_from_wire,
-    key_to_wire,
 )
 from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
@@ -187,14 +185,16 @@ def test_drop_replica_removes_everything_of_it(directory: KVDirectory) -> None:
     directory.check_integrity()
 
 
-def test_lookup_result_survives_the_wire_form(directory: KVDirectory) -> None:
+def test_key_and_result_survive_their_byte_forms(directory: KVDirectory) -> None:
     key = directory.key(range(10), A)
     directory.record_hold("r1", key, params(1), expires_at=2000.0)
     directory.apply_resident("r2", [StoreResident(None, key.block_hashes[:1])])
     result = directory.lookup(key.extend([3]))
     assert len(result.matches) == 2
-    assert LookupResult.from_wire(result.to_wire()) == result
-    assert key_from_wire(key_to_wire(key)) == key
+    assert LookupResult.unpack(result.pack()) == result
+    assert PrefixKey.from_bytes(key.to_bytes()) == key
+    with pytest.raises(ValueError, match="lengths"):
+        PrefixKey.from_bytes(key.to_bytes()[:-1])
 
 
 def test_hold_expiry_converts_vllm_perf_counter_deadline() -> None:

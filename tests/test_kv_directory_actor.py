@@ -64,7 +64,7 @@ def test_record_lookup_consume_through_ray(directory: Any) -> None:
         assert isinstance(result, LookupResult)
         best = result.best()
         assert best is not None and best.kind == "hold" and best.num_tokens == 10
-        # Raw token ids work too (the actor hashes them), and the wire path returns the same result.
+        # Raw token ids work too (the actor hashes them), and the bytes path returns the same result.
         raw = await directory.lookup.remote(list(range(10)), SCOPE)
         assert raw.best() == best
         assert await remote_lookup(directory, history.extend([1, 2, 3])) == result
