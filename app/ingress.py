@@ -263,13 +263,14 @@ class Ingress:
         Synthetic turns run under their own tenant, so they never match a real conversation.
         """
         try:
-            replicas: list = []
-            for _ in range(600):
-                replicas = await self.runner.replicas()
-                if len(replicas) >= 1:
+            # Wait for the whole prefill pool: pulls can only be measured between two replicas.
+            wanted = self.config.pool.num_replicas
+            ids: list[str] = []
+            for _ in range(1200):
+                ids = [r.replica_id for r in await self.runner.replicas() if r.pool == PREFILL_POOL]
+                if len(ids) >= wanted:
                     break
                 await asyncio.sleep(0.5)
-            ids = [r.replica_id for r in replicas if r.pool == PREFILL_POOL]
             if not ids:
                 return
             rng = random.Random(0)

@@ -166,7 +166,7 @@ def bench_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> dict[st
 class NoopActor:
     """Same placement and call shape as the directory, no work: the Ray call's own floor on this box."""
 
-    async def ping(self, key: PrefixKey | None = None) -> None:
+    async def ping(self, key: bytes | None = None) -> None:
         return None
 
 
@@ -214,7 +214,7 @@ def bench_ray(args: argparse.Namespace, queries: list[PrefixKey]) -> dict[str, A
             )
         noop = ray.remote(NoopActor).options(num_cpus=0.01).remote()
         for q in queries[:100]:
-            ray.get([handle.lookup.remote(q), noop.ping.remote(q)])  # warm up
+            ray.get([handle.lookup.remote(q), noop.ping.remote(q.to_bytes())])  # warm up
 
         def packed_lookup(q: PrefixKey) -> LookupResult:  # what `remote_lookup` does, without an event loop
             return LookupResult.unpack(ray.get(handle.lookup_packed.remote(q.to_bytes())))
@@ -224,7 +224,7 @@ def bench_ray(args: argparse.Namespace, queries: list[PrefixKey]) -> dict[str, A
             lookup_ns.append(timed(lambda q=q: packed_lookup(q)))
             named_ns.append(timed(lambda q=q: ray.get(handle.lookup.remote(q))))
             noop_ns.append(timed(lambda: ray.get(noop.ping.remote())))
-            noop_key_ns.append(timed(lambda q=q: ray.get(noop.ping.remote(q))))
+            noop_key_ns.append(timed(lambda q=q: ray.get(noop.ping.remote(q.to_bytes()))))
         start = time.perf_counter_ns()
         window = queries[: args.ray_lookups]
         for chunk in range(0, len(window), 32):  # 32 callers' worth of lookups in flight
@@ -242,7 +242,7 @@ def bench_ray(args: argparse.Namespace, queries: list[PrefixKey]) -> dict[str, A
         "lookup_ray_ms_p99": round(look99 / 1e3, 3),
         "lookup_ray_named_result_ms_p50": round(percentiles(named_ns)[0] / 1e3, 3),
         "noop_ray_call_ms_p50": round(percentiles(noop_ns)[0] / 1e3, 3),
-        "noop_ray_call_with_key_ms_p50": round(percentiles(noop_key_ns)[0] / 1e3, 3),
+        "noop_ray_call_with_key_bytes_ms_p50": round(percentiles(noop_key_ns)[0] / 1e3, 3),
         "lookup_ray_sequential_ops_s": round(len(lookup_ns) / (sum(lookup_ns) / 1e9)),
         "lookup_ray_32_in_flight_ops_s": round(concurrent),
         "record_ray_ms_p50": round(rec50 / 1e3, 3),

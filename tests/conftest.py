@@ -135,8 +135,9 @@ TINY_ENGINE = {
     "dtype": "float32",
     "max_model_len": 2048,
     "kv_cache_memory_bytes": 64 * 1024**2,
-    # A pending hold keeps its engine stepping (about a core on this box): keep test holds short.
-    "nixl": {"hold_ttl_s": 15},
+    # Long enough that a loaded CI box still pulls a hold within its lease (the directory stops offering
+    # a hold 30% before its end), short enough that pending holds, which keep engines stepping, expire.
+    "nixl": {"hold_ttl_s": 30},
 }
 
 

@@ -128,7 +128,12 @@ def test_restart_comes_back_empty_and_replicas_re_report(ray_cluster: Any, direc
 
         ray.kill(directory, no_restart=False)
         after = await retry(lambda: directory.stats.remote())
-        assert after.epoch != before.epoch and after.entries == 0 and after.holds == 0
+        deadline = time.monotonic() + 60
+        while after.epoch == before.epoch:  # the kill lands asynchronously; calls may still reach the old one
+            assert time.monotonic() < deadline, "the directory actor did not come back"
+            await asyncio.sleep(0.2)
+            after = await retry(lambda: directory.stats.remote())
+        assert after.entries == 0 and after.holds == 0
         assert (await directory.lookup.remote(conv)).matches == ()
 
         # A forwarder notices the new epoch in the reply and re-reports its replica's whole cache.
