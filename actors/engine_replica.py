@@ -366,6 +366,7 @@ class EngineReplica:
             nixl_host=self.nixl_host,
             nixl_port=self.nixl_port,
             node_id=self.node_id,
+            pid=os.getpid(),
             cpu_cores=self.cpu_cores,
             model=self.config.model,
             fast_prefill=self.config.fast_prefill,

@@ -93,6 +93,8 @@ class ReplicaIdentity(BaseModel):
     nixl_host: str | None
     nixl_port: int | None
     node_id: str
+    # The replica's process (its vLLM engine processes are its children).
+    pid: int
     cpu_cores: list[int] | None
     model: str
     fast_prefill: bool

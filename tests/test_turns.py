@@ -108,7 +108,7 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
 
 
 def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):
-    import ray
+    import psutil
 
     rng = random.Random(6)
     replicas = tiny_app.replica_ids(2)
@@ -117,12 +117,15 @@ def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):
     first = tiny_app.ingress.turn.remote(history, GREEDY, ("recompute", holder)).result(timeout_s=120)
     history = history + first.token_ids + user_tokens(rng, 10)
 
-    actor = next(
-        ray.get_actor(a["name"], namespace=a["namespace"])
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if holder in a["name"] and "engines" in a["name"]
-    )
-    ray.kill(actor, no_restart=True)
+    # Kill the holder's whole process tree by PID: the Serve replica and the vLLM engine processes it
+    # started (engine processes outlive a killed Ray actor and would keep serving its KV).
+    identity = next(i for i in (tiny_app.engines.identity.remote().result() for _ in range(60))
+                    if i.replica_id == holder)
+    replica_process = psutil.Process(identity.pid)
+    doomed = replica_process.children(recursive=True) + [replica_process]
+    for proc in doomed:
+        proc.kill()
+    psutil.wait_procs(doomed, timeout=30)
     answer = tiny_app.ingress.turn.remote(history, GREEDY, ("pull", target)).result(timeout_s=120)
     reference = tiny_app.ingress.turn.remote(history, GREEDY, ("recompute", target)).result(timeout_s=120)
     assert answer.token_ids == reference.token_ids
