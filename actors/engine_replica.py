@@ -13,10 +13,14 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 from actors.replica_api import (
+    KV_CACHE_USAGE,
+    ONGOING_REQUESTS,
+    TTFT_MS,
     AttentionGroupInfo,
     GenerateDelta,
     GenerateRequest,
@@ -80,6 +84,7 @@ class EngineReplica:
     """One vLLM engine. Methods are coroutines run on the replica's single event loop."""
 
     HEARTBEAT_S = 0.5
+    TTFT_WINDOW_S = 10.0
 
     def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None) -> None:
         """Start the engine. With `directory` (a handle to the KV directory deployment), report identity and
@@ -109,9 +114,13 @@ class EngineReplica:
         self._prefill_rate = RateMeter()
         self._decode_rate = RateMeter()
         self._finished = 0
+        self._ongoing = 0
+        # (monotonic finish time, TTFT ms) of recent requests, for the autoscaling policy.
+        self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=512)
         self.engine = self._start_engine(current_platform.device_type)
         self._stopping = threading.Event()
         self._directory = directory
+        self._heartbeat: threading.Thread | None = None
         if directory is not None:
             self._start_heartbeat()
         logger.info(
@@ -123,7 +132,11 @@ class EngineReplica:
     # ----------------------------------------------------------------------------- start-up
 
     def _start_heartbeat(self) -> None:
-        """Report identity and load to the directory from a thread, so a busy event loop cannot starve it."""
+        """Report identity and load to the directory from a thread, so a busy event loop cannot starve it.
+
+        When the replica stops, the thread's last act is to deregister it: the directory forgets the replica
+        and everything it holds before its engine shuts down.
+        """
         identity = self._identity()
 
         def beat() -> None:
@@ -132,8 +145,13 @@ class EngineReplica:
                     self._directory.heartbeat.remote(identity, self._stats_now()).result(timeout_s=5)
                 except Exception as exc:  # the directory restarts empty; the next beat re-registers us
                     logger.warning("heartbeat to the KV directory failed: %s", exc)
+            try:
+                self._directory.deregister.remote(self.replica_id).result(timeout_s=5)
+            except Exception as exc:  # the directory may be gone already (app teardown)
+                logger.warning("could not deregister %s from the KV directory: %s", self.replica_id, exc)
 
-        threading.Thread(target=beat, name="kvrelay-heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=beat, name="kvrelay-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     def _bind_cpu_cores(self, local_rank: int) -> list[int]:
         cores = sorted(os.sched_getaffinity(0))
@@ -277,6 +295,7 @@ class EngineReplica:
         first_token_at: float | None = None
         prompt_tokens = cached = completion = 0
         stream = self.engine.generate(prompt, params, request.request_id)
+        self._ongoing += 1
         try:
             async for out in stream:
                 completion_out = out.outputs[0]
@@ -308,6 +327,8 @@ class EngineReplica:
                 raise
             # vLLM validates on admission (e.g. a prompt longer than the context) with ValueError subclasses.
             raise InvalidRequestError(str(exc)) from exc
+        finally:
+            self._ongoing -= 1
 
     def _observe_speeds(
         self, out: Any, started: float, first_token_at: float | None, finished_at: float, completion: int
@@ -316,6 +337,7 @@ class EngineReplica:
         self._finished += 1
         if first_token_at is None:
             return None
+        self._recent_ttft.append((finished_at, (first_token_at - started) * 1e3))
         metrics = out.metrics
         if metrics is not None and metrics.scheduled_ts and metrics.first_token_ts:
             prefill_s = metrics.first_token_ts - metrics.scheduled_ts
@@ -378,17 +400,35 @@ class EngineReplica:
 
     def _stats_now(self) -> ReplicaStats:
         s = self._scheduler_stats
+        # The scheduler's counts are as of its last step, which may be long ago on an idle engine; the
+        # replica's own count of requests in flight is exact, so it bounds both.
+        waiting = min((s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s else 0, self._ongoing)
         return ReplicaStats(
             replica_id=self.replica_id,
             pool=self.pool,
-            running=s.num_running_reqs if s else 0,
-            waiting=(s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s else 0,
+            running=self._ongoing - waiting,
+            waiting=waiting,
             kv_cache_usage=s.kv_cache_usage if s else 0.0,
             prefix_cache_hit_rate=self._prefix_cache.hit_rate,
             prefill_tok_s=self._prefill_rate.value,
             decode_tok_s=self._decode_rate.value,
             requests_finished=self._finished,
         )
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it.
+
+        ongoing_requests: requests inside this replica now; kv_cache_usage: the engine's KV cache in use (0-1);
+        ttft_ms: the 90th percentile time to first token of requests finished in the last TTFT_WINDOW_S (0 if none).
+        """
+        now = time.monotonic()
+        recent = sorted(ms for at, ms in self._recent_ttft if now - at <= self.TTFT_WINDOW_S)
+        s = self._scheduler_stats
+        return {
+            ONGOING_REQUESTS: float(self._ongoing),
+            KV_CACHE_USAGE: float(s.kv_cache_usage) if s else 0.0,
+            TTFT_MS: recent[int(0.9 * (len(recent) - 1))] if recent else 0.0,
+        }
 
     async def attention_groups(self) -> list[AttentionGroupInfo]:
         """Attention groups of the live worker (rank 0), read through vLLM's collective RPC."""
@@ -404,11 +444,9 @@ class EngineReplica:
         stopping = getattr(self, "_stopping", None)
         if stopping is not None:
             stopping.set()
-        if getattr(self, "_directory", None) is not None:
-            try:
-                self._directory.deregister.remote(self.replica_id)
-            except Exception:  # the directory may be gone already (app teardown)
-                pass
+        heartbeat = getattr(self, "_heartbeat", None)
+        if heartbeat is not None and heartbeat is not threading.current_thread():
+            heartbeat.join(timeout=10)  # its last act deregisters this replica
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

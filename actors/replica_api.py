@@ -9,6 +9,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Names of the load signals a replica reports to Serve's autoscaler (`EngineReplica.record_autoscaling_stats`).
+ONGOING_REQUESTS = "ongoing_requests"
+KV_CACHE_USAGE = "kv_cache_usage"
+TTFT_MS = "ttft_ms"
+
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as asked; the message says what to change. The replica keeps serving."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from actors.engine_replica import EngineReplica
 from actors.kv_directory import KVDirectoryActor
@@ -14,14 +14,41 @@ from app.ingress import Ingress
 from configs.app import AppConfig, PoolConfig
 
 ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
+POLICY_CLASS = "app.autoscaling:EngineAutoscalingPolicy"
+
+
+def autoscaling_config(pool: PoolConfig) -> AutoscalingConfig | None:
+    """Serve's AutoscalingConfig running kvrelay's policy (app/autoscaling.py), or None for a fixed pool."""
+    scale = pool.autoscaling
+    if scale is None:
+        return None
+    return AutoscalingConfig(
+        min_replicas=scale.min_replicas,
+        max_replicas=scale.max_replicas,
+        initial_replicas=pool.num_replicas,
+        upscale_delay_s=scale.upscale_delay_s,
+        downscale_delay_s=scale.downscale_delay_s,
+        metrics_interval_s=scale.metrics_interval_s,
+        look_back_period_s=scale.look_back_period_s,
+        policy=AutoscalingPolicy(
+            policy_function=POLICY_CLASS,
+            policy_kwargs={
+                "target_ongoing_requests": scale.target_ongoing_requests,
+                "target_kv_cache_usage": scale.target_kv_cache_usage,
+                "target_ttft_ms": scale.target_ttft_ms,
+            },
+        ),
+    )
 
 
 def engine_deployment(name: str, pool: PoolConfig, directory: Application) -> Application:
     """A deployment of identical engine replicas, routed to the replica each plan names."""
+    scaling = autoscaling_config(pool)
+    size: dict[str, Any] = {"num_replicas": pool.num_replicas} if scaling is None else {"autoscaling_config": scaling}
     deployment = serve.deployment(
         EngineReplica,
         name=name,
-        num_replicas=pool.num_replicas,
+        **size,
         max_ongoing_requests=pool.max_ongoing_requests,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),

@@ -44,7 +44,7 @@ from configs.app import AppConfig
 from configs.model_store import ensure_model
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import Mode
+from kvtransfer.planner import Mode, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,8 @@ class Ingress:
             except ValidationError as exc:
                 message, param = validation_message(exc)
                 raise ClientError(400, message, param=param) from None
-            turn = make_turn(req, tenant_of(request), request.headers.get("x-session-id"))
+            turn = make_turn(req, tenant_of(request), request.headers.get("x-session-id"),
+                             request.headers.get("x-kvrelay-policy"))
             stream = self._run(turn)
             first = await anext(stream)  # planning and prefill errors surface here, before any byte is sent
         except ClientError as exc:
@@ -199,12 +200,16 @@ class Ingress:
     # ------------------------------------------------------------------------------ Python handle API
 
     async def chat(
-        self, request: ChatCompletionRequest | dict[str, Any], tenant: str = "", session_id: str | None = None
+        self,
+        request: ChatCompletionRequest | dict[str, Any],
+        tenant: str = "",
+        session_id: str | None = None,
+        policy: str | None = None,
     ):
         """`handle.chat.remote(req)` -> ChatCompletionResponse; with `handle.options(stream=True)` and
         `req.stream=True`, an async stream of chunk dicts (the same objects the SSE stream carries)."""
         req = ChatCompletionRequest.model_validate(request)
-        turn = self._chat_turn(req, tenant, session_id)
+        turn = self._chat_turn(req, tenant, session_id, policy)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._chat_chunks(req, turn, self._run(turn), include_usage)
@@ -212,11 +217,15 @@ class Ingress:
         return self._chat_response(req, turn, deltas, outcome)
 
     async def completions(
-        self, request: CompletionRequest | dict[str, Any], tenant: str = "", session_id: str | None = None
+        self,
+        request: CompletionRequest | dict[str, Any],
+        tenant: str = "",
+        session_id: str | None = None,
+        policy: str | None = None,
     ):
         """`handle.completions.remote(req)` -> CompletionResponse (streams like `chat`)."""
         req = CompletionRequest.model_validate(request)
-        turn = self._completion_turn(req, tenant, session_id)
+        turn = self._completion_turn(req, tenant, session_id, policy)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._completion_chunks(req, turn, self._run(turn), include_usage)
@@ -309,7 +318,17 @@ class Ingress:
             raise ClientError(404, f"model {requested!r} is not served here; this deployment serves {self.model!r}",
                               param="model", code="model_not_found")
 
-    def _turn(self, req, token_ids: list[int], tenant: str, session_id: str | None) -> Turn:
+    def _policy(self, requested: str | None) -> Policy:
+        """The deployment's policy, or the one a request names (`x-kvrelay-policy`, for side-by-side benchmarks)."""
+        if requested is None:
+            return Policy(self.config.policy)
+        try:
+            return Policy(requested)
+        except ValueError:
+            raise ClientError(400, f"unknown placement policy {requested!r}; known: {[p.value for p in Policy]}",
+                              param="x-kvrelay-policy") from None
+
+    def _turn(self, req, token_ids: list[int], tenant: str, session_id: str | None, policy: str | None) -> Turn:
         if req.prompt_logprobs is not None and self.fast_prefill:
             raise ClientError(400, "prompt_logprobs cannot be served by this deployment: it runs KV-sharing fast "
                               "prefill, whose shared layers skip prompt positions; drop prompt_logprobs",
@@ -330,9 +349,12 @@ class Ingress:
             sampling=req.to_sampling(min(DEFAULT_MAX_TOKENS, room)),
             tenant=tenant,
             session_id=session_id,
+            policy=self._policy(policy),
         )
 
-    def _chat_turn(self, req: ChatCompletionRequest, tenant: str, session_id: str | None) -> Turn:
+    def _chat_turn(
+        self, req: ChatCompletionRequest, tenant: str, session_id: str | None, policy: str | None = None
+    ) -> Turn:
         self._check_model(req.model)
         try:
             messages = [m.as_template_input() for m in req.messages]
@@ -342,9 +364,11 @@ class Ingress:
             raise ClientError(400, str(exc), param="messages") from None
         except Exception as exc:  # the template rejected this conversation (roles out of order, ...)
             raise ClientError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-        return self._turn(req, list(ids), tenant, session_id)
+        return self._turn(req, list(ids), tenant, session_id, policy)
 
-    def _completion_turn(self, req: CompletionRequest, tenant: str, session_id: str | None) -> Turn:
+    def _completion_turn(
+        self, req: CompletionRequest, tenant: str, session_id: str | None, policy: str | None = None
+    ) -> Turn:
         self._check_model(req.model)
         if isinstance(req.prompt, str):
             ids = self.tokenizer(req.prompt)["input_ids"]
@@ -353,7 +377,7 @@ class Ingress:
             if any(not 0 <= t < vocab for t in req.prompt):
                 raise ClientError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
             ids = req.prompt
-        return self._turn(req, list(ids), tenant, session_id)
+        return self._turn(req, list(ids), tenant, session_id, policy)
 
     async def _run(
         self, turn: Turn, force: tuple[Mode, str] | None = None

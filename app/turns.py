@@ -21,7 +21,7 @@ from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats, Sampling
 from kvtransfer.connector import held_tokens, is_hold, is_load_failure, pull_params
 from kvtransfer.cost_model import CostModel
-from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn
+from kvtransfer.planner import Mode, Plan, Policy, ReplicaView, plan_turn
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ class Turn:
     tenant: str = ""
     # A placement hint only (X-Session-Id): equal options go to this session's usual replica.
     session_id: str | None = None
+    # How the turn is placed; the baselines exist so benchmarks can compare on the same engines.
+    policy: Policy = Policy.KVRELAY
 
 
 @dataclass
@@ -96,6 +98,7 @@ class TurnRunner:
         self.block_size = block_size
         self.hold_ttl_s = hold_ttl_s
         self.counters: Counter = Counter()
+        self._rotation = 0  # turn counter for the round-robin baselines
 
     async def replicas(self) -> list[ReplicaStats]:
         return await self.directory.live_replicas.remote()
@@ -108,11 +111,16 @@ class TurnRunner:
         lookup, replicas = await self.directory.plan_inputs.remote(key)
         views = [ReplicaView(r.replica_id, r.running, r.waiting, r.decode_tok_s) for r in replicas]
 
-        preferred = preferred_replica(turn.session_id, [v.replica_id for v in views])
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
             return key, Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet")
-        return key, plan_turn(len(turn.token_ids), lookup, views, self.cost, preferred, force, targets)
+        eligible = [v.replica_id for v in views if targets is None or v.replica_id in targets]
+        preferred = preferred_replica(turn.session_id, eligible)
+        self._rotation += 1
+        plan = plan_turn(
+            len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation
+        )
+        return key, plan
 
     async def run(
         self, turn: Turn, force: tuple[Mode, str] | None = None
@@ -198,6 +206,8 @@ class TurnRunner:
             target_replica=plan.replica_id or None,
             cache_salt=turn.tenant or None,
             skip_prefix_cache=skip_cache,
+            # Only policies that pull need holds; a P/D turn always hands its KV over.
+            export_hold=turn.policy.pulls or self.decode_engines is not None,
         )
         output: list[int] = []
         async for delta in engines.options(stream=True).generate.remote(request):

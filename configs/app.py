@@ -13,11 +13,36 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from configs.engine import EngineConfig
 
 
+class AutoscalingSettings(BaseModel):
+    """Scale a pool between min and max replicas on queue depth, KV cache usage and TTFT (app/autoscaling.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=4, ge=1)
+    # Targets per replica; the pool grows when any is exceeded and shrinks when all are well below.
+    target_ongoing_requests: float = Field(default=4.0, gt=0)
+    target_kv_cache_usage: float = Field(default=0.8, gt=0, le=1)
+    target_ttft_ms: float = Field(default=2000.0, gt=0)
+    # An engine takes tens of seconds to start on CPU: scale up quickly, down reluctantly.
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=60.0, ge=0)
+    metrics_interval_s: float = Field(default=1.0, gt=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
+        return self
+
+
 class PoolConfig(BaseModel):
     """One Serve deployment of identical engine replicas."""
 
     model_config = ConfigDict(extra="forbid")
 
+    # With `autoscaling`, the number of replicas the pool starts with.
     num_replicas: int = Field(default=2, ge=1)
     # Ray resources reserved per replica. vLLM's own processes are not counted by Ray, so on a small
     # CPU box this is a scheduling share, not a core count; on GPU machines set num_gpus=1.
@@ -25,6 +50,17 @@ class PoolConfig(BaseModel):
     num_gpus: float = Field(default=0.0, ge=0)
     max_ongoing_requests: int = Field(default=32, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    autoscaling: AutoscalingSettings | None = None
+
+    @model_validator(mode="after")
+    def _check_start_within_bounds(self) -> PoolConfig:
+        scale = self.autoscaling
+        if scale is not None and not scale.min_replicas <= self.num_replicas <= scale.max_replicas:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} (the starting size) must lie within autoscaling's "
+                f"[{scale.min_replicas}, {scale.max_replicas}]"
+            )
+        return self
 
 
 class AppConfig(BaseModel):
@@ -38,6 +74,10 @@ class AppConfig(BaseModel):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     decode_pool: PoolConfig | None = None
     ingress_num_cpus: float = Field(default=0.1, gt=0)
+    # How turns are placed (kvtransfer.planner.Policy). "kvrelay" plans by measured cost; the others are the
+    # routers users would otherwise run, kept for side-by-side benchmarks (a request may also name one in
+    # the `x-kvrelay-policy` header).
+    policy: Literal["kvrelay", "round_robin", "session", "prefix_affinity", "fixed_threshold"] = "kvrelay"
 
     @model_validator(mode="after")
     def _check_topology(self) -> AppConfig:

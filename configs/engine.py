@@ -44,6 +44,9 @@ class NixlSettings(BaseModel):
     side_channel_port: int | None = Field(default=None, ge=1024, le=65535)
     # None: the Ray node's IP address, so peers on other hosts can reach it.
     side_channel_host: str | None = None
+    # Microseconds NIXL's progress thread sleeps between polls (kvtransfer/throttled_nixl.py). NIXL's own 0 makes
+    # the thread spin a whole core per engine even when idle; 0 here keeps vLLM's connector as it is.
+    progress_delay_us: int = Field(default=200, ge=0, le=100_000)
 
 
 class EngineConfig(BaseModel):

@@ -37,9 +37,14 @@ HOLD_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_po
 
 
 def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str) -> dict[str, Any]:
-    """The engine's `kv_transfer_config`: NixlConnector, kv_both, bidirectional, buffers on the platform's device."""
+    """The engine's `kv_transfer_config`: NixlConnector, kv_both, bidirectional, buffers on the platform's device.
+
+    With `progress_delay_us`, the connector is vLLM's own subclassed in `kvtransfer.throttled_nixl`.
+    """
+    throttled = settings.progress_delay_us > 0
     return {
         "kv_connector": "NixlConnector",
+        "kv_connector_module_path": "kvtransfer.throttled_nixl" if throttled else None,
         "kv_role": "kv_both",
         "kv_buffer_device": settings.kv_buffer_device or device_type,
         "engine_id": engine_id,
@@ -53,6 +58,7 @@ def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str)
             "kv_lease_duration": settings.hold_ttl_s,
             "decoder_kv_blocks_ttl": settings.hold_ttl_s,
             "enforce_handshake_compat": settings.enforce_handshake_compat,
+            "kvrelay_progress_delay_us": settings.progress_delay_us,
         },
     }
 

@@ -1,8 +1,11 @@
 """The turn planner: where a conversation turn runs, and whether it reuses a local prefix, pulls, or recomputes.
 
 `plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
-the cost model. It weighs every (target replica, mode) pair and returns the one with the lowest estimated
-time to first token, so a busy holder can lose the turn to an idle replica that pulls from it.
+the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
+with the lowest estimated time to first token, so a busy holder can lose the turn to an idle replica that
+pulls from it. The other policies are the routing rules users would otherwise run (round robin, session
+affinity, prefix affinity, vLLM's fixed pull threshold), chosen from the same options so that benchmarks
+compare them on the same engines and every plan still reports every estimate.
 """
 
 from __future__ import annotations
@@ -22,6 +25,25 @@ class Mode(StrEnum):
     LOCAL = "local"  # the target's own prefix cache holds part of the history
     PULL = "pull"  # the target pulls the history's KV from the holder over NIXL
     RECOMPUTE = "recompute"  # the target computes the whole prompt
+
+
+class Policy(StrEnum):
+    """How a turn's (replica, mode) is chosen among the options."""
+
+    KVRELAY = "kvrelay"  # lowest estimated time to first token over every (replica, mode) option
+    ROUND_ROBIN = "round_robin"  # next replica in turn; each replica's own prefix cache, never a pull
+    SESSION = "session"  # consistent hash of the session id (X-Session-Id); never a pull
+    PREFIX_AFFINITY = "prefix_affinity"  # the replica holding the longest prefix, else the least loaded
+    FIXED_THRESHOLD = "fixed_threshold"  # round robin, pulling from the holder whenever it holds >= 64 tokens
+
+    @property
+    def pulls(self) -> bool:
+        """Whether the policy ever pulls, so its turns must leave pullable holds behind."""
+        return self in (Policy.KVRELAY, Policy.FIXED_THRESHOLD)
+
+
+# vLLM's own rule (`kv_recompute_threshold`): pull whenever the remote prefix has at least this many tokens.
+VLLM_PULL_THRESHOLD = 64
 
 
 class ReplicaView(NamedTuple):
@@ -107,10 +129,13 @@ def plan_turn(
     preferred_replica: str | None = None,
     force: tuple[Mode, str] | None = None,
     targets: Collection[str] | None = None,
+    policy: Policy = Policy.KVRELAY,
+    rotation: int = 0,
 ) -> Plan:
-    """Choose target replica and mode together, minimising estimated time to first token.
+    """Choose target replica and mode together; under `Policy.KVRELAY`, the lowest estimated time to first token.
 
-    `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity.
+    `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity; under
+    `Policy.SESSION` it is the target. `rotation` is the caller's turn counter for the round-robin policies.
     `force` = (mode, replica) restricts the choice to that pair (tests and benchmarks measure every option);
     its estimates still cover every option. Raises ValueError if the forced option does not exist.
     `targets` limits where the turn may run (a prefill pool, a benchmark's "off the holder" question);
@@ -123,26 +148,25 @@ def plan_turn(
     options = _options(num_tokens, lookup, replicas, cost, targets)
     if not options:
         raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
-    candidates = options
     if force is not None:
         mode, replica_id = force
         candidates = [o for o in options if o.replica_id == replica_id and (
             o.mode is mode or (mode is Mode.RECOMPUTE and o.mode is not Mode.PULL))]
         if not candidates:
             raise ValueError(f"no {mode.value} option on replica {replica_id} for this turn")
-    best_ms = min(o.estimate_ms for o in candidates)
-
-    def rank(o: Option) -> tuple[bool, float, bool]:
-        near_best = o.estimate_ms <= best_ms * 1.02 + 0.5
-        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.estimate_ms)
-
-    chosen = min(candidates, key=rank)
+        chosen = _fastest(candidates, preferred_replica)
+        if mode is Mode.RECOMPUTE:
+            chosen = chosen._replace(mode=Mode.RECOMPUTE, reused_tokens=0, cached_tokens=0, hold=None)
+    elif policy is Policy.KVRELAY:
+        chosen = _fastest(options, preferred_replica)
+    else:
+        chosen = _baseline_choice(policy, options, lookup, replicas, preferred_replica, rotation)
     estimates: dict[str, float] = {}
     for o in options:
         estimates[o.mode] = round(min(estimates.get(o.mode, float("inf")), o.estimate_ms), 2)
-    if force is not None and force[0] is Mode.RECOMPUTE:
-        chosen = chosen._replace(mode=Mode.RECOMPUTE, reused_tokens=0, cached_tokens=0, hold=None)
     reason = _reason(chosen, estimates, num_tokens)
+    if policy is not Policy.KVRELAY and force is None:
+        reason = f"{policy.value} policy: {reason}"
     logger.debug("plan for %d tokens: %s (%s)", num_tokens, chosen, reason)
     return Plan(
         replica_id=chosen.replica_id,
@@ -155,6 +179,47 @@ def plan_turn(
         reason=reason,
         hold=chosen.hold,
     )
+
+
+def _fastest(options: Sequence[Option], preferred_replica: str | None) -> Option:
+    """The option with the lowest estimate; within 2% of it, the preferred replica's."""
+    best_ms = min(o.estimate_ms for o in options)
+
+    def rank(o: Option) -> tuple[bool, float, float]:
+        near_best = o.estimate_ms <= best_ms * 1.02 + 0.5
+        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.estimate_ms)
+
+    return min(options, key=rank)
+
+
+def _baseline_choice(
+    policy: Policy,
+    options: Sequence[Option],
+    lookup: LookupResult,
+    replicas: Sequence[ReplicaView],
+    preferred_replica: str | None,
+    rotation: int,
+) -> Option:
+    """The option a conventional router would run: its target by its own rule, and no cost model."""
+    by_target: dict[str, list[Option]] = {}
+    for o in options:
+        by_target.setdefault(o.replica_id, []).append(o)
+    ids = sorted(by_target)
+    load = {r.replica_id: r.running + r.waiting for r in replicas}
+    if policy is Policy.SESSION and preferred_replica in by_target:
+        target = preferred_replica
+    elif policy is Policy.PREFIX_AFFINITY:
+        held = {t: (m.num_tokens if (m := lookup.get(t)) else 0) for t in ids}
+        target = min(ids, key=lambda t: (-held[t], load.get(t, 0), t))
+    else:  # round robin; also SESSION without a session id
+        target = ids[rotation % len(ids)]
+    own = next(o for o in by_target[target] if o.mode is not Mode.PULL)
+    if policy is Policy.FIXED_THRESHOLD:
+        pulls = [o for o in by_target[target] if o.mode is Mode.PULL]
+        longest = max(pulls, key=lambda o: o.reused_tokens, default=None)
+        if longest is not None and longest.reused_tokens - own.cached_tokens >= VLLM_PULL_THRESHOLD:
+            return longest
+    return own
 
 
 def _reason(chosen: Option, estimates: dict[str, float], num_tokens: int) -> str:

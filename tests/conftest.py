@@ -118,7 +118,8 @@ def serve_port(ray_cluster) -> int:
     from ray import serve
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # Serve's per-request INFO access logs would otherwise stream into pytest's output.
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
     return port
 
 

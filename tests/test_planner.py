@@ -9,7 +9,7 @@ from app.turns import preferred_replica
 from kvtransfer.connector import is_hold, pull_params, release_params
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import Mode, ReplicaView, plan_turn
+from kvtransfer.planner import Mode, Policy, ReplicaView, plan_turn
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "head_dim": 64}
@@ -117,3 +117,29 @@ def test_hold_params_are_rewritten_for_a_pull_and_for_a_release():
     assert release_params(pull)["do_remote_prefill"] is True
     with pytest.raises(ValueError):
         pull_params({"do_remote_decode": True})
+
+
+def test_baseline_policies_place_turns_by_their_own_rules():
+    cost = calibrated()
+    views = [ReplicaView("a"), ReplicaView("b", waiting=1), ReplicaView("c")]
+    held = lookup(1000, ReplicaMatch("a", 960, "hold", 960, hold("a", 960)),
+                  ReplicaMatch("c", 64, "resident", 64, None))
+    # Round robin walks the replicas in turn and never pulls; each target uses its own prefix cache.
+    rr = [plan_turn(1000, held, views, cost, policy=Policy.ROUND_ROBIN, rotation=i) for i in range(3)]
+    assert [p.replica_id for p in rr] == ["a", "b", "c"]
+    assert [p.mode for p in rr] == [Mode.LOCAL, Mode.RECOMPUTE, Mode.LOCAL]
+    # Session affinity: the session's replica, whatever it holds.
+    session = plan_turn(1000, held, views, cost, preferred_replica="b", policy=Policy.SESSION)
+    assert (session.replica_id, session.mode) == ("b", Mode.RECOMPUTE)
+    # Prefix affinity: the longest holder; with nothing held anywhere, the least loaded replica.
+    assert plan_turn(1000, held, views, cost, policy=Policy.PREFIX_AFFINITY).replica_id == "a"
+    nothing = plan_turn(1000, lookup(1000), [ReplicaView("a", running=2), ReplicaView("b")], cost,
+                        policy=Policy.PREFIX_AFFINITY)
+    assert nothing.replica_id == "b"
+    # vLLM's fixed threshold: off the holder, pull whenever the hold adds 64 tokens or more.
+    fixed = plan_turn(1000, held, views, cost, policy=Policy.FIXED_THRESHOLD, rotation=1)
+    assert (fixed.replica_id, fixed.mode, fixed.holder) == ("b", Mode.PULL, "a")
+    short = lookup(100, ReplicaMatch("a", 40, "hold", 32, hold("a", 40)))
+    assert plan_turn(100, short, views, cost, policy=Policy.FIXED_THRESHOLD, rotation=1).mode is Mode.RECOMPUTE
+    # Every plan still carries every estimate, so a benchmark can show what the choice cost.
+    assert set(fixed.estimates_ms) == {"local", "pull", "recompute"} and fixed.reason.startswith("fixed_threshold")
