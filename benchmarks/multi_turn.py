@@ -3,12 +3,13 @@
     python -m benchmarks.multi_turn --out benchmarks/results/multi_turn.json [--quick] [--config FILE]
                                     [--base-url URL] [--sharegpt FILE]
 
-Synthetic conversations in the shape of vLLM's benchmarks/multi_turn: a shared system prefix, then turns whose
-user and output token counts are drawn from distributions; every turn resends the whole history, as OpenAI
-clients do. Clients run conversations with a fixed concurrency, or start them as a Poisson process. Every
-policy (`kvtransfer.planner.Policy`, chosen per request by the `x-kvrelay-policy` header) serves the same
-conversations on the same engines; each policy runs under its own API key, so no policy reuses KV another
-one left behind. Measured per request as the client sees it: TTFT, TPOT, latency, reused tokens, plan mode.
+Synthetic conversations in the shape of vLLM's benchmarks/multi_turn: a system prefix shared by all, a prefix
+of each conversation's own (the document it is about), then turns whose user and output token counts are drawn
+from distributions; every turn resends the whole history, as OpenAI clients do. Clients run conversations
+with a fixed concurrency, or start them as a Poisson process. Every policy (`kvtransfer.planner.Policy`, chosen
+per request by the `x-kvrelay-policy` header) serves the same conversations on the same engines; each policy
+runs under its own API key, so no policy reuses KV another one left behind. Measured per request as the
+client sees it: TTFT, TPOT, latency, reused tokens, plan mode.
 
 Writes the JSON to --out, a markdown table next to it (.md), and two plots (TTFT distribution per policy,
 TTFT by turn index). Without --base-url it starts its own app with the default model on two replicas.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -48,11 +50,13 @@ class BenchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    conversations: int = Field(default=16, ge=1)
+    conversations: int = Field(default=12, ge=1)
     turns: Span = Span(min=4, max=6)
     system_prefix_tokens: int = Field(default=200, ge=0)
-    user_tokens: Span = Span(min=100, max=250)
-    output_tokens: Span = Span(min=24, max=48)
+    # Each conversation's own first-message prefix (vLLM's `prefix_num_tokens`), e.g. a document to discuss.
+    conversation_prefix_tokens: Span = Span(min=500, max=900)
+    user_tokens: Span = Span(min=60, max=160)
+    output_tokens: Span = Span(min=16, max=32)
     # "concurrency": that many clients, each running conversations back to back. "poisson": conversations
     # start at `rate` per second, each running its turns back to back.
     arrival: Literal["concurrency", "poisson"] = "concurrency"
@@ -73,6 +77,8 @@ class BenchConfig(BaseModel):
 
 
 QUICK = BenchConfig()
+# Without --quick: twice the conversations, for tighter percentiles (about twice the time).
+FULL = BenchConfig(conversations=24)
 
 
 class Conversation(BaseModel):
@@ -122,10 +128,12 @@ def synthetic_conversations(config: BenchConfig, words: list[str]) -> list[Conve
     conversations = []
     for i in range(config.conversations):
         turns = config.turns.draw(rng)
+        users = [text(config.user_tokens.draw(rng)) for _ in range(turns)]
+        users[0] = text(config.conversation_prefix_tokens.draw(rng)) + "\n\n" + users[0]
         conversations.append(Conversation(
             conv_id=f"conv-{i}",
             system=system,
-            user_messages=[text(config.user_tokens.draw(rng)) for _ in range(turns)],
+            user_messages=users,
             output_tokens=[config.output_tokens.draw(rng) for _ in range(turns)],
         ))
     return conversations
@@ -378,7 +386,10 @@ def plot(records: list[RequestRecord], policies: list[str], stem: Path) -> list[
 
 
 def load_config(args: argparse.Namespace) -> BenchConfig:
-    config = BenchConfig.model_validate_json(args.config.read_text()) if args.config else QUICK
+    if args.config:
+        config = BenchConfig.model_validate_json(args.config.read_text())
+    else:
+        config = QUICK if args.quick else FULL
     if args.policies:
         config = config.model_copy(update={"policies": args.policies.split(",")})
         BenchConfig.model_validate(config.model_dump())
@@ -447,7 +458,7 @@ def main() -> None:
         "policies": summaries,
         "targets": targets(summaries),
         "cost_model": cost_model,
-        "machine": {"cpus": __import__("os").cpu_count(), "python": sys.version.split()[0]},
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(time.time() - started, 1),
         "requests": [r.model_dump() for r in records],
