@@ -7,9 +7,11 @@ starts, so importing this module is cheap.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -17,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.replica_api import (
     KV_CACHE_USAGE,
     ONGOING_REQUESTS,
@@ -33,6 +36,9 @@ from configs.model_store import ensure_model
 from kvtransfer.connector import export_params, kv_transfer_config, release_params
 
 logger = logging.getLogger(__name__)
+
+# ipc socket files of the engines' KV event publishers.
+_EVENTS_DIR = tempfile.gettempdir()
 
 _QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -115,14 +121,21 @@ class EngineReplica:
         self._decode_rate = RateMeter()
         self._finished = 0
         self._ongoing = 0
+        self._started = 0
         # (monotonic finish time, TTFT ms) of recent requests, for the autoscaling policy.
         self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=512)
+        # Where the engine publishes its prefix-cache events (same host: the forwarder runs in this process).
+        self._events_endpoints = (
+            (f"ipc://{_EVENTS_DIR}/{self.engine_id}.pub", f"ipc://{_EVENTS_DIR}/{self.engine_id}.replay")
+            if directory is not None and self.config.enable_prefix_caching
+            else None
+        )
         self.engine = self._start_engine(current_platform.device_type)
         self._stopping = threading.Event()
         self._directory = directory
-        self._heartbeat: threading.Thread | None = None
+        self._reporter: threading.Thread | None = None
         if directory is not None:
-            self._start_heartbeat()
+            self._start_reporter()
         logger.info(
             "replica %s started engine %s (model %s, fast prefill %s, nixl %s:%s, cores %s)",
             self.replica_id, self.engine_id, self.config.model, self.config.fast_prefill,
@@ -131,27 +144,46 @@ class EngineReplica:
 
     # ----------------------------------------------------------------------------- start-up
 
-    def _start_heartbeat(self) -> None:
-        """Report identity and load to the directory from a thread, so a busy event loop cannot starve it.
+    def _start_reporter(self) -> None:
+        """Report to the directory from a thread of its own, so a busy serving loop cannot starve it.
 
-        When the replica stops, the thread's last act is to deregister it: the directory forgets the replica
-        and everything it holds before its engine shuts down.
+        Every HEARTBEAT_S: identity and load. Continuously: the engine's prefix-cache events (blocks stored,
+        evicted, cleared), so the directory knows what this replica holds beyond its exported holds. When the
+        replica stops, the thread's last act is to deregister it: the directory forgets the replica and
+        everything it holds before the engine shuts down.
         """
-        identity = self._identity()
+        self._reporter = threading.Thread(
+            target=lambda: asyncio.run(self._report()), name="kvrelay-reporter", daemon=True
+        )
+        self._reporter.start()
 
-        def beat() -> None:
-            while not self._stopping.wait(self.HEARTBEAT_S):
-                try:
-                    self._directory.heartbeat.remote(identity, self._stats_now()).result(timeout_s=5)
-                except Exception as exc:  # the directory restarts empty; the next beat re-registers us
-                    logger.warning("heartbeat to the KV directory failed: %s", exc)
+    async def _report(self) -> None:
+        directory, identity = self._directory, self._identity()
+        forwarder = None
+        if self._events_endpoints is not None:
+
+            async def send(replica_id: str, ops: list) -> Any:
+                return await directory.apply_resident.remote(replica_id, ops)
+
+            tracker = ResidentTracker(self.config.model, self.config.block_size)
+            publish, replay = self._events_endpoints
+            forwarder = KVEventForwarder(self.replica_id, publish, tracker, send, replay_endpoint=replay)
+            forwarder.start()
+        first = True
+        while not await asyncio.to_thread(self._stopping.wait, self.HEARTBEAT_S):
             try:
-                self._directory.deregister.remote(self.replica_id).result(timeout_s=5)
-            except Exception as exc:  # the directory may be gone already (app teardown)
-                logger.warning("could not deregister %s from the KV directory: %s", self.replica_id, exc)
-
-        self._heartbeat = threading.Thread(target=beat, name="kvrelay-heartbeat", daemon=True)
-        self._heartbeat.start()
+                new = await directory.heartbeat.remote(identity, self._stats_now())
+                if new and not first and forwarder is not None:
+                    forwarder.resync()  # the directory had dropped us (restart, missed beats): re-report
+                first = False
+            except Exception as exc:  # the directory restarts empty; the next beat re-registers us
+                logger.warning("heartbeat to the KV directory failed: %s", exc)
+        if forwarder is not None:
+            await forwarder.stop()
+        try:
+            await asyncio.wait_for(directory.deregister.remote(self.replica_id), timeout=5)
+        except Exception as exc:  # the directory may be gone already (app teardown)
+            logger.warning("could not deregister %s from the KV directory: %s", self.replica_id, exc)
 
     def _bind_cpu_cores(self, local_rank: int) -> list[int]:
         cores = sorted(os.sched_getaffinity(0))
@@ -195,6 +227,12 @@ class EngineReplica:
                 kv_transfer_config(cfg.nixl, self.engine_id, device_type) if cfg.nixl.enabled else None
             ),
             worker_extension_cls="actors.worker_extension.KVRelayWorkerExtension",
+            kv_events_config=(
+                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self._events_endpoints[0],
+                 "replay_endpoint": self._events_endpoints[1]}
+                if self._events_endpoints is not None
+                else None
+            ),
             # vLLM's periodic log lines off; our stat logger below still receives every step's stats.
             disable_log_stats=True,
         )
@@ -295,13 +333,19 @@ class EngineReplica:
         first_token_at: float | None = None
         prompt_tokens = cached = completion = 0
         stream = self.engine.generate(prompt, params, request.request_id)
+        # Whether this request had the engine to itself until its first token: only then do its timings
+        # measure the model and the link rather than whatever else was batched with it.
+        alone = self._ongoing == 0
         self._ongoing += 1
+        self._started += 1
+        started_as = self._started
         try:
             async for out in stream:
                 completion_out = out.outputs[0]
                 now = time.monotonic()
                 if first_token_at is None and completion_out.token_ids:
                     first_token_at = now
+                    alone = alone and self._started == started_as
                 prompt_tokens = len(out.prompt_token_ids or ())
                 cached = out.num_cached_tokens or 0
                 completion += len(completion_out.token_ids)
@@ -317,7 +361,8 @@ class EngineReplica:
                     delta.completion_tokens = completion
                     delta.num_cached_tokens = cached
                     delta.kv_transfer_params = out.kv_transfer_params
-                    delta.prefill_s = self._observe_speeds(out, started, first_token_at, now, completion)
+                    delta.ran_alone = alone and first_token_at is not None
+                    delta.prefill_s = self._observe_speeds(out, started, first_token_at, now, completion, alone)
                     metrics = out.metrics
                     if metrics is not None and metrics.scheduled_ts and metrics.queued_ts:
                         delta.wait_s = metrics.scheduled_ts - metrics.queued_ts
@@ -331,7 +376,8 @@ class EngineReplica:
             self._ongoing -= 1
 
     def _observe_speeds(
-        self, out: Any, started: float, first_token_at: float | None, finished_at: float, completion: int
+        self, out: Any, started: float, first_token_at: float | None, finished_at: float, completion: int,
+        alone: bool,
     ) -> float | None:
         """Feed this request's prefill and decode timings to the rate meters; returns prefill seconds."""
         self._finished += 1
@@ -345,7 +391,7 @@ class EngineReplica:
             prefill_s = first_token_at - started
         computed = len(out.prompt_token_ids or ()) - (out.num_cached_tokens or 0)
         # Very short prefills measure scheduling overhead, not the model's speed.
-        if computed >= 32:
+        if computed >= 32 and alone:
             self._prefill_rate.observe(computed, prefill_s)
         if completion > 1:
             self._decode_rate.observe(completion - 1, finished_at - first_token_at)
@@ -444,9 +490,9 @@ class EngineReplica:
         stopping = getattr(self, "_stopping", None)
         if stopping is not None:
             stopping.set()
-        heartbeat = getattr(self, "_heartbeat", None)
-        if heartbeat is not None and heartbeat is not threading.current_thread():
-            heartbeat.join(timeout=10)  # its last act deregisters this replica
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None and reporter is not threading.current_thread():
+            reporter.join(timeout=10)  # its last act deregisters this replica
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -918,9 +918,10 @@ class KVDirectoryActor:
 
     # ----- live replicas (heartbeats) and the planner's one-call view
 
-    async def heartbeat(self, identity: ReplicaIdentity, stats: ReplicaStats) -> None:
-        """A replica's periodic report of its identity and load."""
-        self._replicas.heartbeat(identity, stats)
+    async def heartbeat(self, identity: ReplicaIdentity, stats: ReplicaStats) -> bool:
+        """A replica's periodic report of its identity and load; True when the replica was not registered
+        (first beat, or the directory restarted or dropped it): it should re-report what it holds."""
+        return self._replicas.heartbeat(identity, stats)
 
     async def deregister(self, replica_id: str) -> None:
         """A replica leaves (scale-down, shutdown): forget it and everything it holds, at once."""

@@ -251,6 +251,12 @@ class KVEventForwarder:
             )
         return self._task
 
+    def resync(self) -> None:
+        """Re-report everything with the next forward: the directory lost this replica's entries."""
+        self._needs_rebuild = True
+        if self._task is not None and not self._task.done():
+            asyncio.get_running_loop().create_task(self._forward([]))
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -87,6 +87,8 @@ class GenerateDelta(BaseModel):
     # Seconds from the request reaching the engine to its scheduling: queueing, and for a pull the wait for
     # the KV to arrive (vLLM schedules a pulling request only once its KV is in).
     wait_s: float | None = None
+    # Whether the request had the engine to itself until its first token (its timings measure the model).
+    ran_alone: bool = False
     replica_id: str = ""
 
 

@@ -238,13 +238,15 @@ class Ingress:
         sampling: Sampling | dict[str, Any],
         force: tuple[str, str] | None = None,
         tenant: str = "",
+        policy: str | None = None,
     ) -> TurnResult:
         """The turn path on raw token ids, for tests, benchmarks and token-level clients.
 
         `force` = (mode, replica_id) runs that option instead of the planner's choice (a forced
         "recompute" skips the prefix cache), so every option can be measured on the same turn.
         """
-        turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling), tenant)
+        turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling), tenant,
+                    policy=self._policy(policy))
         forced = (Mode(force[0]), force[1]) if force else None
         started = time.monotonic()
         deltas, outcome = await self._collect(turn, forced)
@@ -286,12 +288,25 @@ class Ingress:
             vocab = len(self.tokenizer)
             lengths = [n for n in (64, 256, 1024, 2048) if n + 64 < self.max_model_len]
             one = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
-            for n in lengths:
+
+            async def pull_after_recompute(n: int, holder: str, puller: str) -> None:
                 history = [rng.randrange(100, vocab) for _ in range(n)]
-                first = await self.turn(history, one, ("recompute", ids[0]), tenant=CALIBRATION_TENANT)
+                first = await self.turn(history, one, ("recompute", holder), tenant=CALIBRATION_TENANT)
+                follow_up = history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)]
+                await self.turn(follow_up, one, ("pull", puller), tenant=CALIBRATION_TENANT)
+
+            if len(ids) > 1:
+                # The first pull between two engines includes NIXL's handshake (hundreds of ms, once per
+                # pair and direction): make those now and keep them out of the fit.
+                await pull_after_recompute(64, ids[0], ids[1])
+                await pull_after_recompute(64, ids[1], ids[0])
+                self.runner.cost.discard_pull_samples()
+            for n in lengths:
                 if len(ids) > 1:
-                    follow_up = history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)]
-                    await self.turn(follow_up, one, ("pull", ids[1]), tenant=CALIBRATION_TENANT)
+                    await pull_after_recompute(n, ids[0], ids[1])
+                else:
+                    history = [rng.randrange(100, vocab) for _ in range(n)]
+                    await self.turn(history, one, ("recompute", ids[0]), tenant=CALIBRATION_TENANT)
             logger.info("cost model calibrated on %s: %s", ids, self.runner.cost.snapshot())
         except Exception:  # calibration only sharpens the priors; serving must not depend on it
             logger.exception("cost model calibration failed; keeping the priors")

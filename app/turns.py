@@ -65,6 +65,37 @@ class TurnOutcome:
         }
 
 
+class InFlight:
+    """This ingress's own requests per replica: prompt tokens still to prefill, and requests past their first
+    token. Exact and current, where the replicas' heartbeats are up to half a second old. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens: dict[str, dict[str, int]] = {}
+        self.decoding: Counter = Counter()
+
+    def started(self, replica_id: str, request_id: str, new_tokens: int) -> None:
+        self.prefill_tokens.setdefault(replica_id, {})[request_id] = new_tokens
+
+    def first_token(self, replica_id: str, request_id: str) -> None:
+        if self.prefill_tokens.get(replica_id, {}).pop(request_id, None) is not None:
+            self.decoding[replica_id] += 1
+
+    def ended(self, replica_id: str, request_id: str) -> None:
+        if self.prefill_tokens.get(replica_id, {}).pop(request_id, None) is None and self.decoding[replica_id] > 0:
+            self.decoding[replica_id] -= 1
+
+    def view(self, stats: ReplicaStats) -> ReplicaView:
+        """The planner's view of a replica: its heartbeat, corrected by what this ingress knows it just sent."""
+        prefilling = self.prefill_tokens.get(stats.replica_id, {})
+        return ReplicaView(
+            stats.replica_id,
+            running=max(stats.running, self.decoding[stats.replica_id]),
+            waiting=max(0, stats.waiting - len(prefilling)),
+            decode_tok_s=stats.decode_tok_s,
+            prefill_tokens=sum(prefilling.values()),
+        )
+
+
 def preferred_replica(session_id: str | None, replica_ids: Sequence[str]) -> str | None:
     """Rendezvous hashing: a session keeps its replica while that replica lives, and moves minimally."""
     if not session_id or not replica_ids:
@@ -99,6 +130,7 @@ class TurnRunner:
         self.hold_ttl_s = hold_ttl_s
         self.counters: Counter = Counter()
         self._rotation = 0  # turn counter for the round-robin baselines
+        self.inflight = InFlight()
 
     async def replicas(self) -> list[ReplicaStats]:
         return await self.directory.live_replicas.remote()
@@ -109,7 +141,7 @@ class TurnRunner:
         """Plan a turn; `targets` limits where it may run (holders may be any live replica)."""
         key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
         lookup, replicas = await self.directory.plan_inputs.remote(key)
-        views = [ReplicaView(r.replica_id, r.running, r.waiting, r.decode_tok_s) for r in replicas]
+        views = [self.inflight.view(r) for r in replicas]
 
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
@@ -210,25 +242,33 @@ class TurnRunner:
             export_hold=turn.policy.pulls or self.decode_engines is not None,
         )
         output: list[int] = []
-        async for delta in engines.options(stream=True).generate.remote(request):
-            if delta.finished and params is not None and is_load_failure(delta.finish_reason):
-                # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
-                logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
-                self.counters["pull_failures"] += 1
-                outcome.pull_failed = True
-                # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget it
-                # and all it holds. If it is alive, its next heartbeat and turns bring it back.
-                if plan.holder:
-                    await self.directory.deregister.remote(plan.holder)
-                return
-            if outcome.ttft_ms is None and delta.token_ids:
-                outcome.ttft_ms = (time.monotonic() - started) * 1e3
-            output.extend(delta.token_ids)
-            if delta.finished:
-                outcome.replica_id = delta.replica_id
-                outcome.reused_tokens = delta.num_cached_tokens
-                await self._after_turn(turn, turn.token_ids + output, plan, params, delta, stage)
-            yield delta
+        # Accounted on the planned replica; if Serve had to route elsewhere, the next heartbeat corrects it.
+        where = plan.replica_id
+        self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
+        try:
+            async for delta in engines.options(stream=True).generate.remote(request):
+                if delta.finished and params is not None and is_load_failure(delta.finish_reason):
+                    # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
+                    logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
+                    self.counters["pull_failures"] += 1
+                    outcome.pull_failed = True
+                    # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget
+                    # it and all it holds. If it is alive, its next heartbeat and turns bring it back.
+                    if plan.holder:
+                        await self.directory.deregister.remote(plan.holder)
+                    return
+                if delta.token_ids and not output:
+                    self.inflight.first_token(where, request.request_id)
+                    if outcome.ttft_ms is None:
+                        outcome.ttft_ms = (time.monotonic() - started) * 1e3
+                output.extend(delta.token_ids)
+                if delta.finished:
+                    outcome.replica_id = delta.replica_id
+                    outcome.reused_tokens = delta.num_cached_tokens
+                    await self._after_turn(turn, turn.token_ids + output, plan, params, delta, stage)
+                yield delta
+        finally:
+            self.inflight.ended(where, request.request_id)
 
     async def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
         if is_hold(last.kv_transfer_params):
@@ -265,8 +305,8 @@ class TurnRunner:
                 self.engines.release_hold.remote(superseded)
         if stage == "turn":
             await self._record_hold(turn, key_tokens, last)
-        if last.prefill_s is None:
-            return
+        if last.prefill_s is None or not last.ran_alone:
+            return  # a turn batched with others times the batch, not the model or the link
         prefill_ms = last.prefill_s * 1e3
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused

@@ -27,11 +27,17 @@ GREEDY_ONE = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 
 
 def measure(ingress, vocab: int, history: int, delta: int, reps: int, replicas: list[str], rng: random.Random):
-    holder, other = replicas
+    """Median TTFT per mode, and the planner's last (any target, off the holder) plans.
+
+    The replicas swap roles every repetition and the modes rotate their order, so neither a slower core nor
+    drift over the run lands on one mode: use an even number of repetitions.
+    """
     ttft: dict[str, list[float]] = {"local": [], "pull": [], "recompute": []}
     plans: list[tuple[dict, dict]] = []
-    for _ in range(reps):
-        for mode, target in (("local", holder), ("pull", other), ("recompute", other)):
+    for rep in range(reps):
+        holder, other = replicas[rep % 2], replicas[(rep + 1) % 2]
+        order = [("local", holder), ("pull", other), ("recompute", other)]
+        for mode, target in order[rep % 3:] + order[:rep % 3]:
             prompt = [rng.randrange(100, vocab) for _ in range(history)]
             first = ingress.turn.remote(prompt, GREEDY_ONE, ("recompute", holder)).result()
             follow = prompt + first.token_ids + [rng.randrange(100, vocab) for _ in range(delta)]
@@ -74,11 +80,11 @@ def plot(points: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--quick", action="store_true", help="histories 64, 1024, 4096 and 2 repetitions")
+    parser.add_argument("--quick", action="store_true", help="histories 64, 1024, 4096 and 2 repetitions (4 without)")
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args()
     histories = [64, 1024, 4096] if args.quick else [64, 256, 1024, 2048, 4096]
-    reps = args.reps or (2 if args.quick else 3)
+    reps = args.reps or (2 if args.quick else 4)
     deltas = [32, 256]
 
     app = start_app(max_model_len=4096 + 256 + 64, kv_cache_memory_bytes=768 * 1024**2)

@@ -64,6 +64,8 @@ class LoadView:
     running: int
     waiting: int
     decode_tok_s: float | None
+    # Known prompt tokens still to prefill there (counted apart from `waiting`).
+    prefill_tokens: int = 0
 
 
 class CostModel:
@@ -93,9 +95,12 @@ class CostModel:
         return max(0.0, self.pull.predict((1.0, float(self.kv_bytes(num_tokens)))))
 
     def queue_ms(self, load: LoadView) -> float:
-        """Wait before a new request's prefill starts: queued prefills plus decode steps it shares the engine with."""
+        """Wait before a new request's first token beyond its own prefill: the known prefills ahead of it,
+        other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
+        batches a new prefill with the running decodes, so they cost it about one step, not one each)."""
         step = 1e3 / load.decode_tok_s if load.decode_tok_s else self.decode_step_ms
-        return load.waiting * self.recompute_ms(256) + load.running * step
+        ahead = self.recompute_ms(load.prefill_tokens) + load.waiting * self.recompute_ms(256)
+        return ahead + (step if load.running else 0.0)
 
     # ---------------------------------------------------------------- calibration (mutates)
 
@@ -108,9 +113,11 @@ class CostModel:
         if num_tokens > 0 and ms > 0:
             self.pull.observe((1.0, float(self.kv_bytes(num_tokens))), ms)
 
-    def observe_decode(self, decode_tok_s: float) -> None:
-        if decode_tok_s > 0:
-            self.decode_step_ms = 1e3 / decode_tok_s
+    def discard_pull_samples(self) -> None:
+        """Forget observed pulls and return to the priors (mutates): for samples known to be
+        unrepresentative, like the first pull between two engines, which includes NIXL's handshake."""
+        self.pull.samples.clear()
+        self.pull.coef = np.asarray(self.PRIOR_PULL, dtype=float)
 
     def snapshot(self) -> dict[str, object]:
         bw = self.pull.coef[1]

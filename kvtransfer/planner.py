@@ -53,10 +53,12 @@ class ReplicaView(NamedTuple):
     running: int = 0
     waiting: int = 0
     decode_tok_s: float | None = None
+    # Prompt tokens of requests known to be queued or prefilling there now (they run before a new turn).
+    prefill_tokens: int = 0
 
     @property
     def load(self) -> LoadView:
-        return LoadView(self.running, self.waiting, self.decode_tok_s)
+        return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens)
 
 
 class Option(NamedTuple):

@@ -8,6 +8,7 @@ turn. Greedy fp32 decoding must give identical tokens.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 from actors.engine_replica import EngineReplica
@@ -133,3 +134,23 @@ def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):
     stats = tiny_app.ingress.stats.remote().result()
     assert stats["counters"]["pull_failures"] >= 1
     assert holder not in {r["replica_id"] for r in stats["replicas"]}
+
+
+def test_the_directory_follows_each_replicas_prefix_cache_through_kv_events(tiny_app):
+    rng = random.Random(8)
+    history = user_tokens(rng, 200)
+    # Round robin leaves no hold behind: only the engine's KV cache events can tell the directory.
+    first = tiny_app.ingress.turn.remote(history, GREEDY, policy="round_robin").result(timeout_s=120)
+    assert first.kvrelay.mode == "recompute"
+    follow_up = history + first.token_ids + user_tokens(rng, 10)
+    plan = None
+    for _ in range(40):  # events reach the directory asynchronously, within milliseconds
+        plan = tiny_app.ingress.plan.remote(follow_up).result(timeout_s=60)
+        if plan["mode"] == "local":
+            break
+        time.sleep(0.25)
+    assert plan["mode"] == "local" and plan["replica"] == first.kvrelay.replica, plan
+    # 200 prompt + 12 generated tokens: the 6 full blocks of 32 the engine cached.
+    assert plan["reused_tokens"] == 192
+    answer = tiny_app.ingress.turn.remote(follow_up, GREEDY).result(timeout_s=120)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 192  # the engine agrees
