@@ -9,6 +9,7 @@ client sees a correct answer, only later.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from actors.kv_directory import HoldOffer
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats, Sampling
 from kvtransfer.connector import held_tokens, is_hold, is_load_failure, pull_params
@@ -131,6 +133,7 @@ class TurnRunner:
         self.counters: Counter = Counter()
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
+        self._background: set[asyncio.Task] = set()  # hold releases in flight (asyncio keeps weak refs only)
 
     async def replicas(self) -> list[ReplicaStats]:
         return await self.directory.live_replicas.remote()
@@ -261,6 +264,11 @@ class TurnRunner:
                     self.inflight.first_token(where, request.request_id)
                     if outcome.ttft_ms is None:
                         outcome.ttft_ms = (time.monotonic() - started) * 1e3
+                    if stage != "decode" and plan.superseded:
+                        # The turn has read what it reuses; older holds of its history only pin blocks now.
+                        task = asyncio.get_running_loop().create_task(self._release(plan.superseded))
+                        self._background.add(task)
+                        task.add_done_callback(self._background.discard)
                 output.extend(delta.token_ids)
                 if delta.finished:
                     outcome.replica_id = delta.replica_id
@@ -269,6 +277,20 @@ class TurnRunner:
                 yield delta
         finally:
             self.inflight.ended(where, request.request_id)
+
+    async def _release(self, holds: Sequence[HoldOffer]) -> None:
+        """Take holds out of the directory and free their blocks on their replicas, now rather than at expiry.
+
+        A pending hold pins KV blocks and keeps its engine stepping every millisecond (about a core on CPU).
+        """
+        for offer in holds:
+            try:
+                params = await self.directory.consume_hold.remote(offer.hold_id)
+                if params is not None:  # None: pulled, expired or released already
+                    self.counters["holds_released"] += 1
+                    await self.engines.release_hold.remote(params)
+            except Exception as exc:  # the hold then lasts until its lease ends: slower, never wrong
+                logger.warning("could not release hold %s on %s: %s", offer.hold_id, offer.replica_id, exc)
 
     async def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
         if is_hold(last.kv_transfer_params):
@@ -298,11 +320,6 @@ class TurnRunner:
         if stage == "decode":
             await self._record_hold(turn, key_tokens, last)
             return
-        if plan.mode is Mode.LOCAL and plan.hold is not None:
-            # A pending hold pins KV blocks and keeps its engine stepping; the new hold covers more.
-            superseded = await self.directory.consume_hold.remote(plan.hold.hold_id)
-            if superseded is not None:
-                self.engines.release_hold.remote(superseded)
         if stage == "turn":
             await self._record_hold(turn, key_tokens, last)
         if last.prefill_s is None or not last.ran_alone:

@@ -48,8 +48,12 @@ class BenchApp:
             time.sleep(0.5)
 
 
-def start_app(model: str | None = None, num_replicas: int = 2, **engine: Any) -> BenchApp:
-    """Start Ray and serve a kvrelay app (default model unless given); waits until replicas report."""
+def start_app(
+    model: str | None = None, num_replicas: int = 2, pool: dict[str, Any] | None = None, **engine: Any
+) -> BenchApp:
+    """Start Ray and serve a kvrelay app (default model unless given); waits until replicas report.
+
+    `pool` adds PoolConfig fields (e.g. `num_gpus: 1` on GPU machines); `engine` adds EngineConfig fields."""
     loopback_ray_env()
     import ray
     from ray import serve
@@ -66,7 +70,8 @@ def start_app(model: str | None = None, num_replicas: int = 2, **engine: Any) ->
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
-    config = {"name": "bench", "pool": {"num_replicas": num_replicas, "engine": dict(engine, model=model)}}
+    config = {"name": "bench",
+              "pool": dict(pool or {}, num_replicas=num_replicas, engine=dict(engine, model=model))}
     serve.run(build_app(config), name="bench", route_prefix="/")
     app = BenchApp(
         ingress=serve.get_app_handle("bench"),

@@ -72,6 +72,8 @@ class BenchConfig(BaseModel):
     # The app this benchmark starts when no --base-url is given.
     model: str | None = None
     num_replicas: int = Field(default=2, ge=1)
+    # PoolConfig and EngineConfig fields of that app (configs/app.py, configs/engine.py).
+    pool: dict[str, Any] = Field(default_factory=dict)
     engine: dict[str, Any] = Field(default_factory=lambda: {"max_model_len": 4096,
                                                             "kv_cache_memory_bytes": 768 * 1024**2})
 
@@ -443,7 +445,7 @@ def main() -> None:
     started = time.time()
     if base_url is None:
         print(f"starting kvrelay: {model} on {config.num_replicas} replicas", flush=True)
-        app = start_app(model, config.num_replicas, **config.engine)
+        app = start_app(model, config.num_replicas, config.pool, **config.engine)
         base_url = app.base_url
         print("cost model after start-up calibration:", json.dumps(app.ingress.calibrated.remote().result()),
               flush=True)

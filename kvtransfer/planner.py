@@ -86,6 +86,8 @@ class Plan(NamedTuple):
     reason: str
     # PULL: the hold to pull. LOCAL: the target's own hold, made redundant by this turn's new one.
     hold: HoldOffer | None = None
+    # Holds of this history the turn makes redundant (it leaves a longer one): release them once it runs.
+    superseded: tuple[HoldOffer, ...] = ()
 
 
 def _options(
@@ -180,6 +182,10 @@ def plan_turn(
         estimates_ms=estimates,
         reason=reason,
         hold=chosen.hold,
+        superseded=tuple(
+            m.hold for m in lookup.matches
+            if m.hold is not None and not (chosen.mode is Mode.PULL and m.hold.hold_id == chosen.hold.hold_id)
+        ),
     )
 
 
