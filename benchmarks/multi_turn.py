@@ -103,6 +103,7 @@ class RequestRecord(BaseModel):
     completion_tokens: int = 0
     reused_tokens: int = 0
     mode: str | None = None
+    replica: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ workload
@@ -192,6 +193,7 @@ async def one_turn(http: httpx.AsyncClient, model: str, policy: str, conv: Conve
                     record.completion_tokens = usage["completion_tokens"]
                 if chunk.get("kvrelay"):
                     record.mode = chunk["kvrelay"]["mode"]
+                    record.replica = chunk["kvrelay"]["replica"]
                     record.reused_tokens = chunk["kvrelay"]["reused_tokens"]
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         record.error = repr(exc)[:300]
@@ -289,8 +291,10 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
     for r in ok:
         by_turn.setdefault(r.turn, []).append(r.ttft_ms)
     modes: dict[str, int] = {}
+    placement: dict[str, int] = {}
     for r in ok:
         modes[r.mode or "?"] = modes.get(r.mode or "?", 0) + 1
+        placement[r.replica or "?"] = placement.get(r.replica or "?", 0) + 1
     return {
         "ttft_ms": {"p50": percentile(ttft, 0.5), "p90": percentile(ttft, 0.9), "p99": percentile(ttft, 0.99),
                     "mean": round(statistics.fmean(ttft), 2) if ttft else None},
@@ -300,6 +304,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "errors": len(records) - len(ok),
         "reused_token_share": round(sum(r.reused_tokens for r in ok) / prompt, 4) if prompt else 0.0,
         "modes": modes,
+        # Requests per replica, busiest first: how evenly the policy spread the load.
+        "requests_per_replica": sorted(placement.values(), reverse=True),
         "ttft_ms_p50_by_turn": {str(t): percentile(v, 0.5) for t, v in sorted(by_turn.items())},
         "wall_s": round(wall_s, 1),
     }
@@ -307,13 +313,14 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
 
 def markdown_table(policies: dict[str, dict[str, Any]]) -> str:
     lines = ["| policy | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | TTFT mean (ms) | TPOT p50 (ms) | requests | "
-             "errors | reused token share | modes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "errors | reused token share | modes | requests per replica |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for name, s in policies.items():
         t = s["ttft_ms"]
         modes = ", ".join(f"{m} {n}" for m, n in sorted(s["modes"].items()))
         lines.append(f"| {name} | {t['p50']} | {t['p90']} | {t['p99']} | {t['mean']} | {s['tpot_ms']['p50']} | "
-                     f"{s['requests']} | {s['errors']} | {s['reused_token_share']:.1%} | {modes} |")
+                     f"{s['requests']} | {s['errors']} | {s['reused_token_share']:.1%} | {modes} | "
+                     f"{' / '.join(map(str, s['requests_per_replica']))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -451,7 +458,7 @@ def main() -> None:
               flush=True)
     try:
         summaries, records = asyncio.run(benchmark(base_url, model, conversations, config, f"{started:.0f}"))
-        cost_model = app.ingress.stats.remote().result()["cost_model"] if app else None
+        ingress_stats = app.ingress.stats.remote().result() if app else None
     finally:
         if app is not None:
             stop_app(app)
@@ -459,7 +466,8 @@ def main() -> None:
         "config": config.model_dump() | {"model": model, "sharegpt": str(args.sharegpt) if args.sharegpt else None},
         "policies": summaries,
         "targets": targets(summaries),
-        "cost_model": cost_model,
+        "cost_model": ingress_stats and ingress_stats["cost_model"],
+        "planner_counters": ingress_stats and ingress_stats["counters"],
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(time.time() - started, 1),
