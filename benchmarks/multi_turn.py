@@ -348,47 +348,45 @@ def targets(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(records: list[RequestRecord], policies: list[str], stem: Path) -> list[str]:
+    """Two PNGs next to the JSON: TTFT distribution per policy, and median TTFT by turn index."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    def save(fig, ax, title: str, xlabel: str, ylabel: str, suffix: str) -> str:
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = stem.with_name(stem.name + suffix)
+        fig.savefig(path, dpi=110)
+        return str(path)
+
+    ok = [r for r in records if r.ok]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in policies:
-        values = sorted(r.ttft_ms for r in records if r.policy == policy and r.ok)
+        values = sorted(r.ttft_ms for r in ok if r.policy == policy)
         if values:
             ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=policy)
     ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, log scale)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT distribution per policy")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = stem.with_name(stem.name + "_ttft_cdf.png")
-    fig.savefig(path, dpi=110)
-    paths.append(str(path))
+    cdf = save(fig, ax, "TTFT distribution per policy", "time to first token (ms, log scale)",
+               "fraction of requests", "_ttft_cdf.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in policies:
         turns: dict[int, list[float]] = {}
-        for r in records:
-            if r.policy == policy and r.ok:
+        for r in ok:
+            if r.policy == policy:
                 turns.setdefault(r.turn, []).append(r.ttft_ms)
         xs = sorted(turns)
         ax.plot([x + 1 for x in xs], [statistics.median(turns[x]) for x in xs], "o-", label=policy)
-    ax.set_xlabel("turn of the conversation")
-    ax.set_ylabel("median TTFT (ms)")
-    ax.set_title("TTFT by turn index")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = stem.with_name(stem.name + "_ttft_by_turn.png")
-    fig.savefig(path, dpi=110)
-    paths.append(str(path))
+    by_turn = save(fig, ax, "TTFT by turn index", "turn of the conversation", "median TTFT (ms)",
+                   "_ttft_by_turn.png")
     plt.close("all")
-    return paths
+    return [cdf, by_turn]
 
 
 # ------------------------------------------------------------------------------------------------ main
