@@ -99,10 +99,13 @@ def main() -> None:
         points = []
         for history in histories:
             for delta in deltas:
-                ttft, (plan_any, plan_off) = measure(ingress, vocab, history, delta, reps, replicas, rng)
+                # Short histories are cheap and their options differ by milliseconds: measure them more often.
+                point_reps = reps * max(1, 1024 // max(history, 256))
+                ttft, (plan_any, plan_off) = measure(ingress, vocab, history, delta, point_reps, replicas, rng)
                 point = {
                     "history": history,
                     "delta": delta,
+                    "reps": point_reps,
                     "ttft_ms": {m: round(v, 1) for m, v in ttft.items()},
                     "chosen": plan_any["mode"],
                     "regret": regret(ttft, plan_any["mode"], ("local", "pull", "recompute")),

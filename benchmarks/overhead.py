@@ -22,6 +22,7 @@ import httpx
 
 from actors.replica_api import GenerateRequest, Sampling
 from benchmarks.common import start_app, stop_app
+from kvtransfer.planner import Policy
 
 
 def pct(values: list[float], q: float) -> float:
@@ -29,10 +30,10 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def direct(engines, prompt: list[int], max_tokens: int, target: str) -> tuple[float, list[float]]:
+async def direct(engines, prompt: list[int], max_tokens: int, target: str, holds: bool) -> tuple[float, list[float]]:
     """(latency ms, arrival times of each delta) calling the replica through its Serve handle."""
     request = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, target_replica=target,
-                              sampling=Sampling(max_tokens=max_tokens, ignore_eos=True))
+                              sampling=Sampling(max_tokens=max_tokens, ignore_eos=True), export_hold=holds)
     start = time.perf_counter()
     arrivals = [time.perf_counter() async for _ in engines.options(stream=True).generate.remote(request)]
     return (time.perf_counter() - start) * 1e3, arrivals
@@ -53,25 +54,28 @@ async def via_http(client: httpx.AsyncClient, model: str, prompt: list[int], max
     return (time.perf_counter() - start) * 1e3, arrivals, replica
 
 
-async def run(app, requests: int, stream_tokens: int) -> dict:
+async def run(app, requests: int, stream_tokens: int, policy: str) -> dict:
+    # The direct path leaves a hold exactly when the ingress's policy does, so both do the same engine work.
+    holds = Policy(policy).pulls
     prompt = list(range(100, 164))
-    async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
+    headers = {"x-kvrelay-policy": policy}
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=120, headers=headers) as client:
         _, _, replica = await via_http(client, app.model, prompt, 2, False)
         for _ in range(5):  # warm both paths and the prefix cache of the chosen replica
-            await direct(app.engines, prompt, 2, replica)
+            await direct(app.engines, prompt, 2, replica, holds)
             await via_http(client, app.model, prompt, 2, False)
         added = []
         for i in range(requests):
             if i % 2:
-                d, _ = await direct(app.engines, prompt, 2, replica)
+                d, _ = await direct(app.engines, prompt, 2, replica, holds)
                 h, _, replica = await via_http(client, app.model, prompt, 2, False)
             else:
                 h, _, replica = await via_http(client, app.model, prompt, 2, False)
-                d, _ = await direct(app.engines, prompt, 2, replica)
+                d, _ = await direct(app.engines, prompt, 2, replica, holds)
             added.append(h - d)
         chunk_added = []
         for _ in range(max(4, requests // 10)):
-            _, d_arrivals = await direct(app.engines, prompt, stream_tokens, replica)
+            _, d_arrivals = await direct(app.engines, prompt, stream_tokens, replica, holds)
             _, h_arrivals, replica = await via_http(client, app.model, prompt, stream_tokens, True)
             d_gaps = [b - a for a, b in zip(d_arrivals[1:], d_arrivals[2:], strict=False)]
             h_gaps = [b - a for a, b in zip(h_arrivals[1:], h_arrivals[2:], strict=False)]
@@ -91,13 +95,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--stream-tokens", type=int, default=32)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--policy", default="kvrelay", help="placement policy the ingress runs (x-kvrelay-policy)")
     args = parser.parse_args()
     app = start_app(model=args.model, max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2)
     try:
-        figures = asyncio.run(run(app, args.requests, args.stream_tokens))
+        figures = asyncio.run(run(app, args.requests, args.stream_tokens, args.policy))
     finally:
         stop_app(app)
     figures["model"] = app.model
+    figures["policy"] = args.policy
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
