@@ -69,9 +69,10 @@ def plot(points: list[dict], path: Path) -> None:
             ax.annotate(p["chosen_off_holder"][0], (p["history"], p["ttft_ms"][p["chosen_off_holder"]]),
                         textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("history tokens")
-        ax.set_ylabel("TTFT (ms)")
-        ax.set_title(f"new-turn delta {delta} tokens (letter: planner's choice off the holder)")
+        ax.set_ylabel("TTFT (ms, log scale)")
+        ax.set_title(f"new-turn delta {delta} tokens\n(letter: the planner's choice off the holder)", fontsize=10)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
