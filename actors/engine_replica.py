@@ -452,6 +452,8 @@ class EngineReplica:
         return ReplicaStats(
             replica_id=self.replica_id,
             pool=self.pool,
+            node_id=self.node_id,
+            at=time.time(),
             running=self._ongoing - waiting,
             waiting=waiting,
             kv_cache_usage=s.kv_cache_usage if s else 0.0,

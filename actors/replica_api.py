@@ -114,6 +114,10 @@ class ReplicaStats(BaseModel):
     replica_id: str
     # The deployment the replica belongs to ("engines"; "decode_engines" in a disaggregated app).
     pool: str = "engines"
+    # The Ray node it runs on: replicas on one node share its CPUs (and memory bandwidth).
+    node_id: str = ""
+    # When these figures were taken (time.time() on the replica).
+    at: float = 0.0
     running: int
     waiting: int
     kv_cache_usage: float

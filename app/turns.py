@@ -14,7 +14,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -68,34 +68,60 @@ class TurnOutcome:
 
 
 class InFlight:
-    """This ingress's own requests per replica: prompt tokens still to prefill, and requests past their first
-    token. Exact and current, where the replicas' heartbeats are up to half a second old. Not thread-safe."""
+    """This ingress's own requests per replica, reconciled with the replicas' heartbeats.
 
-    def __init__(self) -> None:
-        self.prefill_tokens: dict[str, dict[str, int]] = {}
-        self.decoding: Counter = Counter()
+    A heartbeat is up to half a second old: it still counts requests that have ended since, and misses those
+    sent since. This keeps each own request's start and end (wall clock, the heartbeat's clock too) so a view
+    counts what the heartbeat saw of others, plus what this ingress has in flight now. Not thread-safe.
+    """
+
+    RETAIN_S = 5.0  # ended requests are kept this long, longer than any heartbeat is old
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        # replica -> request id -> [started_at, ended_at or None, prompt tokens still to prefill or None]
+        self._requests: dict[str, dict[str, list]] = {}
 
     def started(self, replica_id: str, request_id: str, new_tokens: int) -> None:
-        self.prefill_tokens.setdefault(replica_id, {})[request_id] = new_tokens
+        self._requests.setdefault(replica_id, {})[request_id] = [self._clock(), None, new_tokens]
 
     def first_token(self, replica_id: str, request_id: str) -> None:
-        if self.prefill_tokens.get(replica_id, {}).pop(request_id, None) is not None:
-            self.decoding[replica_id] += 1
+        entry = self._requests.get(replica_id, {}).get(request_id)
+        if entry is not None:
+            entry[2] = None
 
     def ended(self, replica_id: str, request_id: str) -> None:
-        if self.prefill_tokens.get(replica_id, {}).pop(request_id, None) is None and self.decoding[replica_id] > 0:
-            self.decoding[replica_id] -= 1
+        now = self._clock()
+        mine = self._requests.get(replica_id, {})
+        if request_id in mine:
+            mine[request_id][1] = now
+        for rid in [rid for rid, (_, ended, _) in mine.items() if ended is not None and now - ended > self.RETAIN_S]:
+            del mine[rid]
 
     def view(self, stats: ReplicaStats) -> ReplicaView:
-        """The planner's view of a replica: its heartbeat, corrected by what this ingress knows it just sent."""
-        prefilling = self.prefill_tokens.get(stats.replica_id, {})
+        """The planner's view of a replica: others' requests as of its heartbeat, and this ingress's now."""
+        mine = self._requests.get(stats.replica_id, {}).values()
+        seen_by_heartbeat = sum(
+            1 for started, ended, _ in mine if started <= stats.at and (ended is None or ended > stats.at)
+        )
+        live = [(started, pending) for started, ended, pending in mine if ended is None]
+        others = max(0, stats.running + stats.waiting - seen_by_heartbeat)
         return ReplicaView(
             stats.replica_id,
-            running=max(stats.running, self.decoding[stats.replica_id]),
-            waiting=max(0, stats.waiting - len(prefilling)),
+            running=others + sum(1 for _, pending in live if pending is None),
+            waiting=0,
             decode_tok_s=stats.decode_tok_s,
-            prefill_tokens=sum(prefilling.values()),
+            prefill_tokens=sum(pending for _, pending in live if pending is not None),
         )
+
+
+def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
+    """Each view with the number of other replicas on its node that are busy (running, queued or prefilling)."""
+    busy = [v.replica_id for v in views if v.running or v.waiting or v.prefill_tokens]
+    return [
+        v._replace(busy_peers=sum(1 for b in busy if b != v.replica_id and node_of.get(b) == node_of.get(v.replica_id)))
+        for v in views
+    ]
 
 
 def preferred_replica(session_id: str | None, replica_ids: Sequence[str]) -> str | None:
@@ -144,7 +170,7 @@ class TurnRunner:
         """Plan a turn; `targets` limits where it may run (holders may be any live replica)."""
         key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
         lookup, replicas = await self.directory.plan_inputs.remote(key)
-        views = [self.inflight.view(r) for r in replicas]
+        views = with_busy_peers([self.inflight.view(r) for r in replicas], {r.replica_id: r.node_id for r in replicas})
 
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
@@ -327,7 +353,7 @@ class TurnRunner:
         prefill_ms = last.prefill_s * 1e3
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused
-        self.cost.observe_prefill(new_tokens, reused, prefill_ms)
+        self.cost.observe_prefill(new_tokens, reused, prefill_ms, plan.busy_peers)
         if params is not None and last.wait_s is not None:
             # vLLM schedules a pulling request once its KV has arrived: the wait before scheduling is the
             # transfer (plus any queueing, which an idle calibration avoids).

@@ -4,6 +4,10 @@ Both are linear models fitted online by least squares over the most recent obser
 
     recompute_ms(k new tokens after c cached ones) = a + b*k + d*k*(c + k/2)      (attention grows with context)
     pull_ms(bytes)                                 = fixed + bytes / bandwidth
+    slowdown(p busy peers on the same node)        = 1 + s*p                          (shared CPUs, memory bandwidth)
+
+The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
+had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1).
 
 Seeded by a short measurement when the app starts, refitted after every observed turn, visible in
 `snapshot()`. No fixed token threshold appears anywhere: the crossover falls where these two meet.
@@ -66,6 +70,8 @@ class LoadView:
     decode_tok_s: float | None
     # Known prompt tokens still to prefill there (counted apart from `waiting`).
     prefill_tokens: int = 0
+    # Other engines on the same node that are busy now (they share its CPUs).
+    busy_peers: int = 0
 
 
 class CostModel:
@@ -80,15 +86,22 @@ class CostModel:
         self.kv_bytes = kv_bytes
         self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
+        self.contention = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), window)
         self.decode_step_ms = 20.0
 
     # ---------------------------------------------------------------- estimates (pure)
 
-    def recompute_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
-        """Prefill `new_tokens` on top of `context_tokens` already in the replica's KV cache."""
+    def recompute_ms(self, new_tokens: int, context_tokens: int = 0, busy_peers: int = 0) -> float:
+        """Prefill `new_tokens` on top of `context_tokens` already in the replica's KV cache, while
+        `busy_peers` other engines on its node are busy."""
         if new_tokens <= 0:
             return 0.0
-        return max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
+        solo = max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
+        return solo * self.slowdown(busy_peers)
+
+    def slowdown(self, busy_peers: int) -> float:
+        """How much longer work takes on a replica while `busy_peers` other engines on its node are busy."""
+        return 1.0 + max(0.0, self.contention.predict((float(busy_peers),))) if busy_peers > 0 else 1.0
 
     def pull_ms(self, num_tokens: int) -> float:
         """Transfer the KV of `num_tokens` tokens from a holder (fixed handover part + bytes / bandwidth)."""
@@ -99,14 +112,22 @@ class CostModel:
         other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
         batches a new prefill with the running decodes, so they cost it about one step, not one each)."""
         step = 1e3 / load.decode_tok_s if load.decode_tok_s else self.decode_step_ms
-        ahead = self.recompute_ms(load.prefill_tokens) + load.waiting * self.recompute_ms(256)
+        peers = load.busy_peers
+        ahead = self.recompute_ms(load.prefill_tokens, 0, peers) + load.waiting * self.recompute_ms(256, 0, peers)
         return ahead + (step if load.running else 0.0)
 
     # ---------------------------------------------------------------- calibration (mutates)
 
-    def observe_prefill(self, new_tokens: int, context_tokens: int, ms: float) -> None:
-        if new_tokens > 0 and ms > 0:
+    def observe_prefill(self, new_tokens: int, context_tokens: int, ms: float, busy_peers: int = 0) -> None:
+        """A prefill that had its engine to itself; with busy peers it teaches the slowdown, else the fit."""
+        if new_tokens <= 0 or ms <= 0:
+            return
+        if busy_peers <= 0:
             self.prefill.observe(_prefill_features(new_tokens, context_tokens), ms)
+            return
+        solo = self.recompute_ms(new_tokens, context_tokens)
+        if solo > 0:
+            self.contention.observe((float(busy_peers),), ms / solo - 1.0)
 
     def observe_pull(self, num_tokens: int, ms: float) -> None:
         """`ms`: the transfer's share of a pulled turn's prefill time (measured minus the delta's compute)."""
@@ -123,6 +144,7 @@ class CostModel:
         bw = self.pull.coef[1]
         return {
             "prefill": self.prefill.as_dict(),
+            "contention": self.contention.as_dict(),
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "decode_step_ms": self.decode_step_ms,
         }

@@ -55,10 +55,12 @@ class ReplicaView(NamedTuple):
     decode_tok_s: float | None = None
     # Prompt tokens of requests known to be queued or prefilling there now (they run before a new turn).
     prefill_tokens: int = 0
+    # Other engines on the same node that are busy now: they share its CPUs.
+    busy_peers: int = 0
 
     @property
     def load(self) -> LoadView:
-        return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens)
+        return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens, self.busy_peers)
 
 
 class Option(NamedTuple):
@@ -88,6 +90,8 @@ class Plan(NamedTuple):
     hold: HoldOffer | None = None
     # Holds of this history the turn makes redundant (it leaves a longer one): release them once it runs.
     superseded: tuple[HoldOffer, ...] = ()
+    # Busy engines beside the target on its node when planned (what its timings are measured under).
+    busy_peers: int = 0
 
 
 def _options(
@@ -108,7 +112,7 @@ def _options(
         # vLLM computes at least the last prompt token, so at most num_tokens - 1 can be reused.
         cached = min(match.cached_tokens if match else 0, num_tokens - 1)
         queue = cost.queue_ms(replica.load)
-        compute = cost.recompute_ms(num_tokens - cached, cached)
+        compute = cost.recompute_ms(num_tokens - cached, cached, replica.busy_peers)
         mode = Mode.LOCAL if cached > 0 else Mode.RECOMPUTE
         # A local turn supersedes the target's own hold of this history: the runner releases it after.
         own_hold = match.hold if match is not None and mode is Mode.LOCAL else None
@@ -118,7 +122,7 @@ def _options(
             if hold.replica_id == replica.replica_id or reused <= cached:
                 continue
             transfer = cost.pull_ms(reused - cached)
-            rest = cost.recompute_ms(num_tokens - reused, reused)
+            rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers)
             options.append(
                 Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached, queue + transfer + rest, hold)
             )
@@ -186,6 +190,7 @@ def plan_turn(
             m.hold for m in lookup.matches
             if m.hold is not None and not (chosen.mode is Mode.PULL and m.hold.hold_id == chosen.hold.hold_id)
         ),
+        busy_peers=next(r.busy_peers for r in replicas if r.replica_id == chosen.replica_id),
     )
 
 

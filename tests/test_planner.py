@@ -143,3 +143,45 @@ def test_baseline_policies_place_turns_by_their_own_rules():
     assert plan_turn(100, short, views, cost, policy=Policy.FIXED_THRESHOLD, rotation=1).mode is Mode.RECOMPUTE
     # Every plan still carries every estimate, so a benchmark can show what the choice cost.
     assert set(fixed.estimates_ms) == {"local", "pull", "recompute"} and fixed.reason.startswith("fixed_threshold")
+
+
+def test_busy_engines_on_the_same_node_slow_a_target_by_the_measured_factor():
+    cost = calibrated(prefill_ms_per_token=0.3)
+    solo = cost.recompute_ms(1000)
+    for n in (200, 500, 1000):  # turns that had their engine to themselves while one peer was busy
+        cost.observe_prefill(n, 0, 1.5 * cost.recompute_ms(n), busy_peers=1)
+    assert cost.slowdown(1) == pytest.approx(1.5, rel=0.01)
+    assert cost.recompute_ms(1000, busy_peers=1) == pytest.approx(1.5 * solo, rel=0.01)
+    assert cost.recompute_ms(1000) == pytest.approx(solo)  # the solo fit learned nothing from them
+    # A new conversation: "b" is idle but shares a node with busy "a"; "c" is idle on another node.
+    views = [ReplicaView("a", running=1, busy_peers=0), ReplicaView("b", busy_peers=1), ReplicaView("c")]
+    assert plan_turn(1000, lookup(1000), views, cost).replica_id == "c"
+    # With nowhere else to go, staying beside the busy engine's queue beats paying the slowdown on "b".
+    plan = plan_turn(1000, lookup(1000), views[:2], cost)
+    assert plan.replica_id == "a" and plan.busy_peers == 0
+
+
+def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
+    from actors.replica_api import ReplicaStats
+    from app.turns import InFlight
+
+    now = [100.0]
+    inflight = InFlight(clock=lambda: now[0])
+
+    def heartbeat(at: float, running: int) -> ReplicaStats:
+        return ReplicaStats(replica_id="a", at=at, running=running, waiting=0, kv_cache_usage=0.0,
+                            prefix_cache_hit_rate=0.0, prefill_tok_s=None, decode_tok_s=None, requests_finished=0)
+
+    inflight.started("a", "r1", 500)
+    now[0] = 100.2
+    beat = heartbeat(at=100.1, running=2)  # r1 and one request of another ingress
+    view = inflight.view(beat)
+    assert (view.running, view.prefill_tokens) == (1, 500)  # the other ingress's, plus r1 still prefilling
+    inflight.first_token("a", "r1")
+    now[0] = 100.3
+    inflight.ended("a", "r1")
+    # The same (stale) heartbeat still counts r1: it ended since, so only the other request remains.
+    assert inflight.view(beat).running == 1
+    inflight.started("a", "r2", 40)  # sent after the heartbeat: not in it, known here
+    view = inflight.view(beat)
+    assert (view.running, view.prefill_tokens) == (1, 40)
