@@ -7,19 +7,17 @@ starts, so importing this module is cheap.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
 import tempfile
-import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.kv_events import KVEventForwarder, ResidentTracker
+from actors.directory_reporter import DirectoryReporter
 from actors.replica_api import (
     KV_CACHE_USAGE,
     ONGOING_REQUESTS,
@@ -31,16 +29,23 @@ from actors.replica_api import (
     ReplicaIdentity,
     ReplicaStats,
 )
-from configs.engine import CPU_HEAD_SIZES, EngineConfig
+from actors.vllm_engine import (
+    EngineSite,
+    HoldStepper,
+    check_platform_limits,
+    choose_cores,
+    engine_process_ids,
+    quiet_holds,
+    start_engine,
+)
+from configs.engine import EngineConfig
 from configs.model_store import ensure_model
-from kvtransfer.connector import export_params, kv_transfer_config, release_params
+from kvtransfer.connector import export_params, release_params
 
 logger = logging.getLogger(__name__)
 
 # ipc socket files of the engines' KV event publishers.
 _EVENTS_DIR = tempfile.gettempdir()
-
-_QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
 
 
 class RateMeter:
@@ -93,30 +98,34 @@ class EngineReplica:
     TTFT_WINDOW_S = 10.0
 
     def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None) -> None:
-        """Start the engine. With `directory` (a handle to the KV directory deployment), report identity and
-        load to it every HEARTBEAT_S seconds."""
+        """Start the engine. With `directory` (a handle to the KV directory deployment), report identity, load
+        and prefix-cache events to it (`actors/directory_reporter.py`)."""
         self.config = EngineConfig.model_validate(config)
         self.replica_id, local_rank, self.pool = _replica_context()
         self.node_id, node_ip = _node_identity()
         self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
-        for key, value in _QUIET_ENV.items():
-            os.environ.setdefault(key, value)
 
         from vllm.platforms import current_platform
 
-        self._is_cpu = current_platform.is_cpu()
-        self.cpu_cores = self._bind_cpu_cores(local_rank) if self._is_cpu else None
+        device_type = current_platform.device_type
         nixl = self.config.nixl
-        self.nixl_host = nixl.side_channel_host or node_ip if nixl.enabled else None
-        self.nixl_port = (nixl.side_channel_port or _free_port(self.nixl_host)) if nixl.enabled else None
-        if nixl.enabled:
-            # The connector reads these in the engine-core and worker processes this replica spawns.
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.nixl_host
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
-
+        nixl_host = (nixl.side_channel_host or node_ip) if nixl.enabled else None
+        self.site = EngineSite(
+            engine_id=self.engine_id,
+            cpu_cores=choose_cores(self.config, local_rank) if current_platform.is_cpu() else None,
+            nixl_host=nixl_host,
+            nixl_port=(nixl.side_channel_port or _free_port(nixl_host)) if nixl_host else None,
+            # The forwarder runs in this process: the engine publishes on this host's ipc sockets.
+            events_endpoints=(
+                (f"ipc://{_EVENTS_DIR}/{self.engine_id}.pub", f"ipc://{_EVENTS_DIR}/{self.engine_id}.replay")
+                if directory is not None and self.config.enable_prefix_caching
+                else None
+            ),
+        )
         self.model_path = ensure_model(self.config.model)
-        self._check_platform_limits(current_platform.device_type)
+        check_platform_limits(self.config, self.model_path, device_type)
         self._scheduler_stats: Any = None
+        self._prefix_cache: Any = None
         self._prefill_rate = RateMeter()
         self._decode_rate = RateMeter()
         self._finished = 0
@@ -124,119 +133,25 @@ class EngineReplica:
         self._started = 0
         # (monotonic finish time, TTFT ms) of recent requests, for the autoscaling policy.
         self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=512)
-        # Where the engine publishes its prefix-cache events (same host: the forwarder runs in this process).
-        self._events_endpoints = (
-            (f"ipc://{_EVENTS_DIR}/{self.engine_id}.pub", f"ipc://{_EVENTS_DIR}/{self.engine_id}.replay")
-            if directory is not None and self.config.enable_prefix_caching
-            else None
-        )
-        self.engine = self._start_engine(current_platform.device_type)
-        self._stopping = threading.Event()
-        self._directory = directory
-        self._reporter: threading.Thread | None = None
+        self.engine = start_engine(self.config, self.model_path, self.site, device_type, self._make_stat_logger)
+        self.engine_pids = engine_process_ids(self.engine)
+        self._hold_stepper = None
+        if quiet_holds(self.config, device_type):
+            self._hold_stepper = HoldStepper(self.engine, nixl.hold_step_s, nixl.hold_ttl_s)
+        self._reporter = None
         if directory is not None:
-            self._start_reporter()
+            self._reporter = DirectoryReporter(
+                directory, self._identity(), self._stats_now, self.HEARTBEAT_S, self.site.events_endpoints
+            )
         logger.info(
             "replica %s started engine %s (model %s, fast prefill %s, nixl %s:%s, cores %s)",
             self.replica_id, self.engine_id, self.config.model, self.config.fast_prefill,
-            self.nixl_host, self.nixl_port, self.cpu_cores,
+            self.site.nixl_host, self.site.nixl_port, self.site.cpu_cores,
         )
 
-    # ----------------------------------------------------------------------------- start-up
-
-    def _start_reporter(self) -> None:
-        """Report to the directory from a thread of its own, so a busy serving loop cannot starve it.
-
-        Every HEARTBEAT_S: identity and load. Continuously: the engine's prefix-cache events (blocks stored,
-        evicted, cleared), so the directory knows what this replica holds beyond its exported holds. When the
-        replica stops, the thread's last act is to deregister it: the directory forgets the replica and
-        everything it holds before the engine shuts down.
-        """
-        self._reporter = threading.Thread(
-            target=lambda: asyncio.run(self._report()), name="kvrelay-reporter", daemon=True
-        )
-        self._reporter.start()
-
-    async def _report(self) -> None:
-        directory, identity = self._directory, self._identity()
-        forwarder = None
-        if self._events_endpoints is not None:
-
-            async def send(replica_id: str, ops: list) -> Any:
-                return await directory.apply_resident.remote(replica_id, ops)
-
-            tracker = ResidentTracker(self.config.model, self.config.block_size)
-            publish, replay = self._events_endpoints
-            forwarder = KVEventForwarder(self.replica_id, publish, tracker, send, replay_endpoint=replay)
-            forwarder.start()
-        first = True
-        while not await asyncio.to_thread(self._stopping.wait, self.HEARTBEAT_S):
-            try:
-                new = await directory.heartbeat.remote(identity, self._stats_now())
-                if new and not first and forwarder is not None:
-                    forwarder.resync()  # the directory had dropped us (restart, missed beats): re-report
-                first = False
-            except Exception as exc:  # the directory restarts empty; the next beat re-registers us
-                logger.warning("heartbeat to the KV directory failed: %s", exc)
-        if forwarder is not None:
-            await forwarder.stop()
-        try:
-            await asyncio.wait_for(directory.deregister.remote(self.replica_id), timeout=5)
-        except Exception as exc:  # the directory may be gone already (app teardown)
-            logger.warning("could not deregister %s from the KV directory: %s", self.replica_id, exc)
-
-    def _bind_cpu_cores(self, local_rank: int) -> list[int]:
-        cores = sorted(os.sched_getaffinity(0))
-        threads = self.config.cpu_threads
-        first = (self.config.cpu_core_offset + local_rank * threads) % len(cores)
-        chosen = [cores[(first + i) % len(cores)] for i in range(threads)]
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in chosen)
-        return chosen
-
-    def _check_platform_limits(self, device_type: str) -> None:
-        if device_type != "cpu":
-            return
-        if self.config.block_size % 32:
-            raise ValueError(f"block_size={self.config.block_size}: the CPU backend needs a multiple of 32")
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(self.model_path)
-        hf = getattr(hf, "text_config", hf)
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        if head_dim not in CPU_HEAD_SIZES:
-            raise ValueError(f"head size {head_dim} of {self.config.model!r} is not supported by CPU attention")
-
-    def _start_engine(self, device_type: str) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        cfg = self.config
-        args = AsyncEngineArgs(
-            model=str(self.model_path),
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            block_size=cfg.block_size,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            kv_sharing_fast_prefill=cfg.fast_prefill,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            seed=cfg.seed,
-            kv_transfer_config=(
-                kv_transfer_config(cfg.nixl, self.engine_id, device_type) if cfg.nixl.enabled else None
-            ),
-            worker_extension_cls="actors.worker_extension.KVRelayWorkerExtension",
-            kv_events_config=(
-                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self._events_endpoints[0],
-                 "replay_endpoint": self._events_endpoints[1]}
-                if self._events_endpoints is not None
-                else None
-            ),
-            # vLLM's periodic log lines off; our stat logger below still receives every step's stats.
-            disable_log_stats=True,
-        )
-        return AsyncLLM.from_engine_args(args, stat_loggers=[self._make_stat_logger])
+    @property
+    def cpu_cores(self) -> list[int] | None:
+        return self.site.cpu_cores
 
     def _make_stat_logger(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -355,6 +270,8 @@ class EngineReplica:
                     replica_id=self.replica_id,
                 )
                 if out.finished:
+                    if out.kv_transfer_params and self._hold_stepper is not None:
+                        self._hold_stepper.hold_exported()
                     delta.finished = True
                     delta.finish_reason = completion_out.finish_reason
                     delta.prompt_tokens = prompt_tokens
@@ -431,11 +348,12 @@ class EngineReplica:
         return ReplicaIdentity(
             replica_id=self.replica_id,
             engine_id=self.engine_id,
-            nixl_host=self.nixl_host,
-            nixl_port=self.nixl_port,
+            nixl_host=self.site.nixl_host,
+            nixl_port=self.site.nixl_port,
             node_id=self.node_id,
             pid=os.getpid(),
-            cpu_cores=self.cpu_cores,
+            engine_pids=self.engine_pids,
+            cpu_cores=self.site.cpu_cores,
             model=self.config.model,
             fast_prefill=self.config.fast_prefill,
             block_size=self.config.block_size,
@@ -489,12 +407,12 @@ class EngineReplica:
 
     def __del__(self) -> None:
         """Serve calls this on scale-down and shutdown: leave the directory first, then stop the engine."""
-        stopping = getattr(self, "_stopping", None)
-        if stopping is not None:
-            stopping.set()
         reporter = getattr(self, "_reporter", None)
-        if reporter is not None and reporter is not threading.current_thread():
-            reporter.join(timeout=10)  # its last act deregisters this replica
+        if reporter is not None:
+            reporter.stop()  # its last act deregisters this replica
+        stepper = getattr(self, "_hold_stepper", None)
+        if stepper is not None:
+            stepper.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -102,6 +102,8 @@ class ReplicaIdentity(BaseModel):
     node_id: str
     # The replica's process (its vLLM engine processes are its children).
     pid: int
+    # vLLM's engine-core processes (children of `pid`); with `separate_worker_process` each has a worker child.
+    engine_pids: list[int] = Field(default_factory=list)
     cpu_cores: list[int] | None
     model: str
     fast_prefill: bool

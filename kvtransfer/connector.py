@@ -59,6 +59,7 @@ def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str)
             "decoder_kv_blocks_ttl": settings.hold_ttl_s,
             "enforce_handshake_compat": settings.enforce_handshake_compat,
             "kvrelay_progress_delay_us": settings.progress_delay_us,
+            "kvrelay_hold_step_s": settings.hold_step_s,
         },
     }
 

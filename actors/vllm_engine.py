@@ -1,0 +1,175 @@
+"""Starting a replica's vLLM engine: its cores, its processes' environment, its arguments, and its clock for holds.
+
+`start_engine` turns an `EngineConfig` into a running `AsyncLLM`; `HoldStepper` keeps that engine stepping,
+slowly, while it may hold exported blocks (see `actors/lean_engine.py`). vLLM is imported only inside the
+functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from configs.engine import CPU_HEAD_SIZES, EngineConfig
+from kvtransfer.connector import kv_transfer_config
+
+_QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class EngineSite:
+    """Where one engine runs: its id, its cores (CPU only), its NIXL side channel, its KV event endpoints."""
+
+    engine_id: str
+    cpu_cores: list[int] | None
+    nixl_host: str | None
+    nixl_port: int | None
+    # (publish, replay) ZMQ endpoints of vLLM's KV cache events, or None when nothing listens to them.
+    events_endpoints: tuple[str, str] | None
+
+
+def choose_cores(config: EngineConfig, local_rank: int) -> list[int]:
+    """The cores a replica with this local rank binds its model threads to (from the cores Ray gives it)."""
+    cores = sorted(os.sched_getaffinity(0))
+    threads = config.cpu_threads
+    first = (config.cpu_core_offset + local_rank * threads) % len(cores)
+    return [cores[(first + i) % len(cores)] for i in range(threads)]
+
+
+@contextlib.contextmanager
+def engine_process_env(site: EngineSite) -> Iterator[None]:
+    """Environment the engine's processes inherit while they are spawned; this process's is restored after.
+
+    vLLM's multiprocessing executor binds a worker's OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND). With the
+    model in the engine-core process nothing in vLLM does, so this sets what that executor would set for a
+    worker: the OpenMP master thread (the engine loop) and every thread it starts later stay on the replica's
+    cores. The NIXL connector reads its side channel from the environment in those processes.
+    """
+    env = dict(_QUIET_ENV)
+    if site.cpu_cores is not None:
+        cores = [str(c) for c in site.cpu_cores]
+        env |= {
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(cores),
+            "OMP_NUM_THREADS": str(len(cores)),
+            "GOMP_CPU_AFFINITY": " ".join(cores),
+            "KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{','.join(cores)}]",
+        }
+    if site.nixl_host is not None:
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": site.nixl_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(site.nixl_port)}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def check_platform_limits(config: EngineConfig, model_path: Path, device_type: str) -> None:
+    """Refuse, with a message a user can act on, what this platform's attention backend cannot run."""
+    if device_type != "cpu":
+        return
+    if config.block_size % 32:
+        raise ValueError(f"block_size={config.block_size}: the CPU backend needs a multiple of 32")
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path)
+    hf = getattr(hf, "text_config", hf)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"head size {head_dim} of {config.model!r} is not supported by CPU attention")
+
+
+def quiet_holds(config: EngineConfig, device_type: str) -> bool:
+    """Whether the engine runs `QuietHoldsScheduler`: on CPU (where vLLM always schedules synchronously, which
+    that Scheduler subclass assumes) whenever it exports holds."""
+    nixl = config.nixl
+    return device_type == "cpu" and nixl.enabled and nixl.bidirectional and nixl.hold_step_s > 0
+
+
+def start_engine(
+    config: EngineConfig, model_path: Path, site: EngineSite, device_type: str, stat_logger: Callable[..., Any]
+) -> Any:
+    """Start vLLM's AsyncLLM for this replica (blocks until the engine is up)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from actors.lean_engine import IN_PROCESS_EXECUTOR, QUIET_HOLDS_SCHEDULER
+
+    events = site.events_endpoints
+    args = AsyncEngineArgs(
+        model=str(model_path),
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        block_size=config.block_size,
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
+        kv_sharing_fast_prefill=config.fast_prefill,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        seed=config.seed,
+        kv_transfer_config=(
+            kv_transfer_config(config.nixl, site.engine_id, device_type) if config.nixl.enabled else None
+        ),
+        worker_extension_cls="actors.worker_extension.KVRelayWorkerExtension",
+        distributed_executor_backend=(
+            IN_PROCESS_EXECUTOR if device_type == "cpu" and not config.separate_worker_process else None
+        ),
+        scheduler_cls=QUIET_HOLDS_SCHEDULER if quiet_holds(config, device_type) else None,
+        kv_events_config=(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0], "replay_endpoint": events[1]}
+            if events is not None
+            else None
+        ),
+        # vLLM's periodic log lines off; the replica's stat logger still receives every step's stats.
+        disable_log_stats=True,
+    )
+    with engine_process_env(site):
+        return AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger])
+
+
+def engine_process_ids(engine: Any) -> list[int]:
+    """Pids of the engine-core processes vLLM started for this AsyncLLM (their own children not included)."""
+    manager = getattr(getattr(engine.engine_core, "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(manager, "processes", ()) if p.pid is not None]
+
+
+class HoldStepper:
+    """Wakes an engine running `QuietHoldsScheduler` every `step_s` while it may hold exported blocks.
+
+    The engine frees a held request's blocks (pulled, released, expired) only during a step, and with that
+    scheduler an engine with nothing but holds blocks on its input queue: this is its clock. Any message wakes
+    the engine loop, which then steps if the scheduler says it is time. One task per replica, on its loop.
+    """
+
+    def __init__(self, engine: Any, step_s: float, hold_ttl_s: float) -> None:
+        self.engine = engine
+        self.step_s = step_s
+        self.hold_ttl_s = hold_ttl_s
+        self._until = 0.0
+        self._task: asyncio.Task | None = None
+
+    def hold_exported(self) -> None:
+        """A turn left a hold: keep stepping until its lease has surely ended."""
+        self._until = max(self._until, time.monotonic() + self.hold_ttl_s + 2 * self.step_s)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while time.monotonic() < self._until:
+            await asyncio.sleep(self.step_s)
+            await self.engine.engine_core.call_utility_async("is_sleeping")
+
+    def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)

@@ -1,0 +1,99 @@
+"""A replica costs only its compute: no worker process spinning beside the engine, no stepping while only holds
+are pending, the model's thread on the replica's own core, and no lost wake-up after idle gaps.
+
+Each test fails if its fix stops being in force (actors/lean_engine.py, kvtransfer/throttled_nixl.py). CPU use
+is read from the kernel's per-process accounting with wide margins: the broken behaviour costs a whole core.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import psutil
+import pytest
+
+from actors.engine_replica import EngineReplica
+from actors.replica_api import GenerateRequest, Sampling
+from configs.engine import EngineConfig
+from tests.conftest import collect
+
+MiB = 1024**2
+HOLD_TTL_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def replica(loop_thread):
+    replica = EngineReplica(EngineConfig(
+        model="tiny-llama", dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * MiB,
+        nixl={"hold_ttl_s": HOLD_TTL_S}, cpu_core_offset=0,
+    ))
+    yield replica
+    replica.engine.shutdown()
+
+
+def vllm_processes(replica: EngineReplica) -> dict[str, list[psutil.Process]]:
+    """The replica's engine-core processes and any worker processes they started."""
+    cores = [psutil.Process(pid) for pid in replica.engine_pids]
+    workers = [c for p in cores for c in p.children(recursive=True) if "Worker" in c.name()]
+    return {"engine_core": cores, "worker": workers}
+
+
+def cores_used(procs: list[psutil.Process], seconds: float) -> float:
+    def total() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    before, start = total(), time.monotonic()
+    time.sleep(seconds)
+    return (total() - before) / (time.monotonic() - start)
+
+
+def run(loop_thread, replica: EngineReplica, prompt: list[int], max_tokens: int, export_hold: bool):
+    request = GenerateRequest(
+        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, export_hold=export_hold,
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    return loop_thread.run(collect(replica.generate(request)))
+
+
+def test_the_model_runs_in_the_engine_core_process(loop_thread, replica):
+    procs = vllm_processes(replica)
+    assert len(procs["engine_core"]) == 1
+    assert procs["worker"] == [], "vLLM's CPU default (a Worker process beside EngineCore) is back"
+
+
+def test_the_model_thread_stays_on_the_replica_core(loop_thread, replica):
+    """vLLM's NIXL worker moves the thread that creates it to the last core; the model thread must stay put."""
+    engine_core = vllm_processes(replica)["engine_core"][0]
+    run(loop_thread, replica, list(range(100, 164)), 2, export_hold=False)
+    assert set(psutil.Process(engine_core.pid).cpu_affinity()) == set(replica.cpu_cores)
+
+
+def test_an_idle_replica_with_a_pending_hold_does_not_spin(loop_thread, replica):
+    deltas = run(loop_thread, replica, list(range(200, 456)), 4, export_hold=True)
+    assert deltas[-1].kv_transfer_params, "the turn should have left a hold"
+    procs = vllm_processes(replica)["engine_core"]
+    # vLLM steps every millisecond while a hold is pending: about a core. Quiet: a few hundredths.
+    assert cores_used(procs, 2.0) < 0.25
+
+
+def test_an_expired_hold_is_freed_while_the_replica_is_idle(loop_thread, replica):
+    """The quiet scheduler still steps for holds, only less often: an expired lease frees its blocks."""
+    run(loop_thread, replica, list(range(300, 812)), 4, export_hold=True)
+    in_use = loop_thread.run(replica.stats()).kv_cache_usage
+    assert in_use > 0
+    deadline = time.monotonic() + HOLD_TTL_S + 10
+    while loop_thread.run(replica.stats()).kv_cache_usage >= in_use and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert loop_thread.run(replica.stats()).kv_cache_usage < in_use
+
+
+def test_short_requests_after_idle_gaps_never_stall(loop_thread, replica):
+    """Whatever replaced the spin must not lose a wake-up: a lost one costs seconds, or forever."""
+    slowest = 0.0
+    for i, gap in enumerate([0.0, 0.3, 1.2, 0.05, 2.1, 0.0, 1.1, 0.2]):
+        time.sleep(gap)
+        started = time.monotonic()
+        run(loop_thread, replica, list(range(400 + i, 440 + i)), 2, export_hold=bool(i % 2))
+        slowest = max(slowest, time.monotonic() - started)
+    assert slowest < 3.0
