@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import pickle
 import sys
 import time
 import uuid
@@ -23,6 +24,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgpack
 
+from actors.directory_changes import ChangeLog, Changes
 from actors.prefix_hash import HASH_BYTES, TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
@@ -905,33 +907,40 @@ class KVDirectory:
 
 
 class KVDirectoryActor:
-    """Ray actor owning one `KVDirectory`.
+    """Ray actor owning one `KVDirectory` and the live-replica registry: the record every mirror follows.
 
-    Methods are `async` and never await, so each runs atomically on the actor's event loop; callers
-    `await handle.method.remote(...)` and never block theirs. Created with `max_restarts=-1`: after a
-    crash it comes back empty with a new epoch, and event forwarders re-report their replicas' caches.
+    Methods are `async` and, but for `changes`, never await, so each runs atomically on the actor's event
+    loop; callers `await handle.method.remote(...)` and never block theirs. Every update is also appended to
+    a change feed (`actors/directory_changes.py`) that each ingress's mirror follows. After a crash the
+    actor comes back empty with a new epoch; event forwarders re-report their replicas' caches and mirrors
+    resync.
     """
 
     def __init__(self, dead_after_s: float = DEFAULT_DEAD_AFTER_S, **directory_kwargs: Any) -> None:
         self._directory = KVDirectory(**directory_kwargs)
         self._replicas = ReplicaRegistry(dead_after_s)
+        self._log = ChangeLog()
 
-    # ----- live replicas (heartbeats) and the planner's one-call view
+    # ----- live replicas (heartbeats)
 
     async def heartbeat(self, identity: ReplicaIdentity, stats: ReplicaStats) -> bool:
         """A replica's periodic report of its identity and load; True when the replica was not registered
         (first beat, or the directory restarted or dropped it): it should re-report what it holds."""
+        self._sweep()
+        self._log.append(("beat", identity, stats))
         return self._replicas.heartbeat(identity, stats)
 
     async def deregister(self, replica_id: str) -> None:
-        """A replica leaves (scale-down, shutdown): forget it and everything it holds, at once."""
+        """A replica leaves (scale-down, shutdown, a failed pull from it): forget it and all it holds, at once."""
         self._replicas.remove(replica_id)
         self._directory.drop_replica(replica_id)
+        self._log.append(("leave", replica_id))
 
     def _sweep(self) -> None:
         for replica_id in self._replicas.sweep():
             logger.warning("replica %s stopped reporting; dropping its directory entries", replica_id)
             self._directory.drop_replica(replica_id)
+            self._log.append(("leave", replica_id))
 
     async def live_replicas(self) -> list[ReplicaStats]:
         self._sweep()
@@ -941,10 +950,7 @@ class KVDirectoryActor:
         self._sweep()
         return self._replicas.identities()
 
-    async def plan_inputs(self, key: PrefixKey) -> tuple[LookupResult, list[ReplicaStats]]:
-        """Everything a turn's plan needs in one call: who holds the key, and every live replica's load."""
-        self._sweep()
-        return self._directory.lookup(key), self._replicas.live()
+    # ----- holdings
 
     async def lookup(self, query: PrefixKey | Sequence[int], scope: Scope | None = None) -> LookupResult:
         return self._directory.lookup(query, scope)
@@ -962,18 +968,42 @@ class KVDirectoryActor:
         num_tokens: int | None = None,
         scope: Scope | None = None,
     ) -> RecordResult:
-        return self._directory.record_hold(
+        result = self._directory.record_hold(
             replica_id, key, kv_transfer_params, expires_at, num_tokens=num_tokens, scope=scope
         )
+        if result.hold_id is not None:
+            key = self._directory._as_key(key, scope)
+            self._log.append(("hold", replica_id, key, kv_transfer_params, expires_at, num_tokens, result.hold_id))
+        return result
 
     async def consume_hold(self, hold_id: int) -> dict[str, Any] | None:
-        return self._directory.consume_hold(hold_id)
+        params = self._directory.consume_hold(hold_id)
+        if params is not None:
+            self._log.append(("consume", hold_id))
+        return params
 
     async def apply_resident(self, replica_id: str, ops: list[ResidentOp]) -> ResidentResult:
-        return self._directory.apply_resident(replica_id, ops)
+        result = self._directory.apply_resident(replica_id, ops)
+        self._log.append(("resident", replica_id, ops))
+        return result
 
     async def drop_replica(self, replica_id: str) -> int:
-        return self._directory.drop_replica(replica_id)
+        chains = self._directory.drop_replica(replica_id)
+        self._log.append(("leave", replica_id))
+        return chains
+
+    # ----- mirrors
+
+    async def changes(self, epoch: str | None, since: int, wait_s: float = 2.0) -> Changes:
+        """The updates after `since` (waiting up to `wait_s` for one), or a snapshot when `epoch` is not this
+        directory's or `since` fell out of the log."""
+        if epoch != self._directory.epoch or not self._log.covers(since):
+            self._sweep()
+            live = [(i, s) for i, s in zip(self._replicas.identities(), self._replicas.live(), strict=True)]
+            return Changes(self._directory.epoch, self._log.seq, [], (pickle.dumps(self._directory), live))
+        await self._log.wait(since, wait_s)
+        updates = self._log.after(since)
+        return Changes(self._directory.epoch, since + len(updates), updates)
 
     async def stats(self) -> DirectoryStats:
         return self._directory.stats()

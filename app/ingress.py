@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.metrics import IngressMetrics
 from app.openai_protocol import (
@@ -107,8 +108,10 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         shape = KVShape.from_model_dir(model_dir, engine.dtype, engine.block_size)
         self.directory = directory
+        self.mirror = DirectoryMirror(directory, engine.block_size)
+        self.mirror.start()
         self.runner = TurnRunner(
-            engines, self.directory, CostModel(shape.kv_bytes), self.model, engine.block_size, engine.nixl.hold_ttl_s,
+            engines, self.mirror, CostModel(shape.kv_bytes), self.model, engine.block_size, engine.nixl.hold_ttl_s,
             decode_engines=pools.get("decode_engines"),
         )
         self.metrics = IngressMetrics()
@@ -130,7 +133,7 @@ class Ingress:
     # ------------------------------------------------------------------------------ HTTP routes
 
     async def health(self, request: Request) -> JSONResponse:
-        replicas = await self.runner.replicas()
+        replicas = self.runner.replicas()
         if not replicas:
             return JSONResponse({"status": "starting", "replicas": 0}, 503)
         return JSONResponse({"status": "ok", "replicas": len(replicas)})
@@ -264,7 +267,7 @@ class Ingress:
     async def plan(self, token_ids: list[int], replicas: list[str] | None = None, tenant: str = "") -> dict[str, Any]:
         """What the planner would do for this turn now (nothing runs); `replicas` limits the targets."""
         turn = Turn(new_id("plan"), list(token_ids), Sampling(), tenant)
-        _, plan = await self.runner.plan(turn, targets=replicas)
+        _, plan = self.runner.plan(turn, targets=replicas)
         return {"mode": plan.mode.value, "replica": plan.replica_id, "holder": plan.holder,
                 "reused_tokens": plan.reused_tokens, "estimates_ms": plan.estimates_ms, "reason": plan.reason}
 
@@ -278,7 +281,7 @@ class Ingress:
             wanted = self.config.pool.num_replicas
             ids: list[str] = []
             for _ in range(1200):
-                ids = [r.replica_id for r in await self.runner.replicas() if r.pool == PREFILL_POOL]
+                ids = [r.replica_id for r in self.runner.replicas() if r.pool == PREFILL_POOL]
                 if len(ids) >= wanted:
                     break
                 await asyncio.sleep(0.5)
@@ -318,12 +321,16 @@ class Ingress:
 
     async def stats(self) -> dict[str, Any]:
         """Planner counters, the cost model's current fit, the directory and the replicas."""
-        directory_stats, replicas = await asyncio.gather(self.directory.stats.remote(), self.runner.replicas())
+        directory_stats = await self.directory.stats.remote()
+        plan_ms = sorted(self.runner.plan_ms)
         return {
             "counters": dict(self.runner.counters),
             "cost_model": self.runner.cost.snapshot(),
             "directory": directory_stats._asdict(),
-            "replicas": [r.model_dump() for r in replicas],
+            "mirror": self.mirror.stats(),
+            "plan_ms": {"p50": plan_ms[len(plan_ms) // 2], "p99": plan_ms[int(0.99 * (len(plan_ms) - 1))],
+                        "samples": len(plan_ms)} if plan_ms else None,
+            "replicas": [r.model_dump() for r in self.runner.replicas()],
         }
 
     # ------------------------------------------------------------------------------ turns

@@ -1,10 +1,10 @@
 """Running one conversation turn: plan it, execute the plan on the engine replicas, record what it left behind.
 
-The one path every request takes (HTTP or Python handle): hash the turn's token ids, ask the KV directory
-who holds them and how loaded each replica is, let `kvtransfer.planner` choose, take the hold when the plan
-pulls, stream from the chosen replica, then record the replica's new hold and feed the timings back to the
-cost model. A failed pull (dead holder, expired hold, NIXL error) re-runs the turn without the pull: the
-client sees a correct answer, only later.
+The one path every request takes (HTTP or Python handle): hash the turn's token ids, ask this ingress's mirror
+of the KV directory who holds them and how loaded each replica is (no remote call), let `kvtransfer.planner`
+choose, take the hold from the directory when the plan pulls, stream from the chosen replica, then record the
+replica's new hold and feed the timings back to the cost model. A failed pull (dead holder, expired hold, NIXL
+error) re-runs the turn without the pull: the client sees a correct answer, only later.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from actors.directory_mirror import DirectoryMirror
 from actors.kv_directory import HoldOffer
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats, Sampling
@@ -141,7 +142,7 @@ class TurnRunner:
     def __init__(
         self,
         engines: Any,
-        directory: Any,
+        directory: DirectoryMirror,
         cost: CostModel,
         model: str,
         block_size: int,
@@ -160,16 +161,19 @@ class TurnRunner:
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
         self._background: set[asyncio.Task] = set()  # hold releases in flight (asyncio keeps weak refs only)
+        self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
 
-    async def replicas(self) -> list[ReplicaStats]:
-        return await self.directory.live_replicas.remote()
+    def replicas(self) -> list[ReplicaStats]:
+        return self.directory.live()
 
-    async def plan(
+    def plan(
         self, turn: Turn, force: tuple[Mode, str] | None = None, targets: Sequence[str] | None = None
     ) -> tuple[PrefixKey, Plan]:
-        """Plan a turn; `targets` limits where it may run (holders may be any live replica)."""
+        """Plan a turn from this ingress's own view (no remote call); `targets` limits where it may run (holders
+        may be any live replica)."""
+        started = time.perf_counter()
         key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
-        lookup, replicas = await self.directory.plan_inputs.remote(key)
+        lookup, replicas = self.directory.lookup(key), self.directory.live()
         views = with_busy_peers([self.inflight.view(r) for r in replicas], {r.replica_id: r.node_id for r in replicas})
 
         if not views:
@@ -181,6 +185,7 @@ class TurnRunner:
         plan = plan_turn(
             len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation
         )
+        self.plan_ms.append((time.perf_counter() - started) * 1e3)
         return key, plan
 
     async def run(
@@ -194,13 +199,13 @@ class TurnRunner:
         targets = None
         if self.decode_engines is not None:
             # Turns start on the prefill pool; holders may be any replica (decode replicas hold the history).
-            targets = [r.replica_id for r in await self.replicas() if r.pool == PREFILL_POOL]
-        key, plan = await self.plan(turn, force, targets)
+            targets = [r.replica_id for r in self.replicas() if r.pool == PREFILL_POOL]
+        key, plan = self.plan(turn, force, targets)
         outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
         self.counters[f"plans_{plan.mode.value}"] += 1
         params = None
         if plan.mode is Mode.PULL:
-            hold = await self.directory.consume_hold.remote(plan.hold.hold_id)
+            hold = await self.directory.consume_hold(plan.hold.hold_id)
             if hold is not None and is_hold(hold) and held_tokens(hold) <= len(turn.token_ids) - 1:
                 params = pull_params(hold)
             else:
@@ -284,7 +289,7 @@ class TurnRunner:
                     # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget
                     # it and all it holds. If it is alive, its next heartbeat and turns bring it back.
                     if plan.holder:
-                        await self.directory.deregister.remote(plan.holder)
+                        await self.directory.deregister(plan.holder)
                     return
                 if delta.token_ids and not output:
                     self.inflight.first_token(where, request.request_id)
@@ -311,7 +316,7 @@ class TurnRunner:
         """
         for offer in holds:
             try:
-                params = await self.directory.consume_hold.remote(offer.hold_id)
+                params = await self.directory.consume_hold(offer.hold_id)
                 if params is not None:  # None: pulled, expired or released already
                     self.counters["holds_released"] += 1
                     await self.engines.release_hold.remote(params)
@@ -321,11 +326,8 @@ class TurnRunner:
     async def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
         if is_hold(last.kv_transfer_params):
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
-            await self.directory.record_hold.remote(
-                last.replica_id,
-                key,
-                last.kv_transfer_params,
-                time.time() + self.hold_ttl_s,
+            await self.directory.record_hold(
+                last.replica_id, key, last.kv_transfer_params, time.time() + self.hold_ttl_s,
                 held_tokens(last.kv_transfer_params),
             )
 

@@ -1,11 +1,13 @@
-"""What the ingress adds on top of calling an engine replica directly: per request, and per streamed chunk.
+"""What the ingress adds on top of calling an engine replica directly: per request, and per streamed chunk,
+beside Ray Serve's own floor on this machine (a no-op app over HTTP) measured in the same run.
 
     python -m benchmarks.overhead --out benchmarks/results/overhead.json [--requests 60] [--model NAME]
 
 Each sample pairs, back to back and in alternating order, the same short completion sent (a) over HTTP
-through the proxy, the ingress, its directory lookup and planner, and (b) straight to the replica the plan
-chose, through a Serve handle. The prompt is a prefix-cache hit on every replica after warm-up, so both
-paths do the same engine work; the paired difference is the ingress's cost.
+through the proxy, the ingress, its planner and the engine, and (b) straight to the replica the plan chose,
+through a Serve handle. The prompt is a prefix-cache hit on every replica after warm-up, so both paths do the
+same engine work; the paired difference is the ingress's cost. `plan_ms_p50` is how long the ingress's
+planning took per turn (its own clock, from /kvrelay/stats).
 """
 
 from __future__ import annotations
@@ -54,6 +56,30 @@ async def via_http(client: httpx.AsyncClient, model: str, prompt: list[int], max
     return (time.perf_counter() - start) * 1e3, arrivals, replica
 
 
+async def serve_noop_ms(base_url: str, requests: int) -> list[float]:
+    """HTTP round trips to a no-op Serve deployment: what any Serve app costs here before doing anything."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        for _ in range(10):
+            (await client.get("/noop")).raise_for_status()
+        samples = []
+        for _ in range(requests):
+            start = time.perf_counter()
+            (await client.get("/noop")).raise_for_status()
+            samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def deploy_noop() -> None:
+    from ray import serve
+
+    @serve.deployment(name="noop", ray_actor_options={"num_cpus": 0.05})
+    class Noop:
+        async def __call__(self, request) -> str:
+            return "ok"
+
+    serve.run(Noop.bind(), name="noop", route_prefix="/noop")
+
+
 async def run(app, requests: int, stream_tokens: int, policy: str) -> dict:
     # The direct path leaves a hold exactly when the ingress's policy does, so both do the same engine work.
     holds = Policy(policy).pulls
@@ -80,10 +106,17 @@ async def run(app, requests: int, stream_tokens: int, policy: str) -> dict:
             d_gaps = [b - a for a, b in zip(d_arrivals[1:], d_arrivals[2:], strict=False)]
             h_gaps = [b - a for a, b in zip(h_arrivals[1:], h_arrivals[2:], strict=False)]
             chunk_added.append((statistics.median(h_gaps) - statistics.median(d_gaps)) * 1e3)
+    noop = await serve_noop_ms(app.base_url, requests)
+    plan = app.ingress.stats.remote().result()["plan_ms"]
     return {
+        "serve_noop_http_ms_p50": round(pct(noop, 0.5), 3),
         "ingress_added_ms_p50": round(pct(added, 0.5), 3),
         "ingress_added_ms_p99": round(pct(added, 0.99), 3),
-        "stream_chunk_added_ms_p50": round(statistics.median(chunk_added), 3),
+        "per_chunk_added_ms_p50": round(statistics.median(chunk_added), 3),
+        "plan_ms_p50": round(plan["p50"], 3),
+        "plan_ms_p99": round(plan["p99"], 3),
+        "targets": {"ingress_added_ms_p50": "<= 1.5 x serve_noop_http_ms_p50", "plan_ms_p50": "<= 1",
+                    "per_chunk_added_ms_p50": "<= 1"},
         "requests": requests,
         "stream_tokens": stream_tokens,
     }
@@ -99,6 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     app = start_app(model=args.model, max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2)
     try:
+        deploy_noop()
         figures = asyncio.run(run(app, args.requests, args.stream_tokens, args.policy))
     finally:
         stop_app(app)

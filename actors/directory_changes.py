@@ -1,0 +1,71 @@
+"""The KV directory's change feed: every update the directory actor applies, in order, for its mirrors.
+
+Each ingress keeps a mirror of the directory (`actors/directory_mirror.py`) so that planning a turn makes no
+remote call; the actor stays the record (a restarted ingress resyncs from it) and the only place a hold is
+consumed. A mirror long-polls `changes(epoch, since)`: the updates after sequence number `since`, or, when it
+is new, behind the log's window, or the directory restarted (another epoch), a snapshot to start from.
+
+Updates are plain tuples whose first field names them:
+    ("beat", identity, stats)        a replica's heartbeat
+    ("leave", replica_id)            a replica left, was swept or failed a pull: forget all it holds
+    ("hold", replica_id, key, params, expires_at, num_tokens, hold_id)   a recorded hold (the actor's id)
+    ("consume", hold_id)             a hold was pulled or released (the actor's id)
+    ("resident", replica_id, ops)    prefix-cache events applied for a replica
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from typing import Any, NamedTuple
+
+
+class Changes(NamedTuple):
+    """What a mirror must apply to reach sequence number `seq` of directory `epoch`."""
+
+    epoch: str
+    seq: int
+    updates: list[tuple]
+    # Set when the mirror must start over: (pickled KVDirectory, [(identity, stats) of live replicas]).
+    snapshot: tuple[bytes, list[tuple[Any, Any]]] | None = None
+
+
+class ChangeLog:
+    """The last `limit` updates with their sequence numbers, and a way to wait for the next one.
+
+    Not thread-safe: the directory actor's event loop owns it. `append` never awaits.
+    """
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.seq = 0
+        self._entries: deque[tuple[int, tuple]] = deque(maxlen=limit)
+        self._next: asyncio.Future | None = None
+
+    def append(self, update: tuple) -> int:
+        self.seq += 1
+        self._entries.append((self.seq, update))
+        if self._next is not None and not self._next.done():
+            self._next.set_result(None)
+        return self.seq
+
+    def covers(self, since: int) -> bool:
+        """Whether every update after `since` is still in the log."""
+        first = self._entries[0][0] if self._entries else self.seq + 1
+        return since <= self.seq and since >= first - 1
+
+    def after(self, since: int, limit: int = 5000) -> list[tuple]:
+        """Updates with sequence numbers in (since, since + limit]; `covers(since)` must hold."""
+        newer = list(itertools.islice(reversed(self._entries), self.seq - since))
+        return [update for _, update in reversed(newer[-limit:])]
+
+    async def wait(self, since: int, timeout_s: float) -> None:
+        """Return once there is an update after `since`, or after `timeout_s`."""
+        if self.seq > since:
+            return
+        if self._next is None or self._next.done():
+            self._next = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._next), timeout_s)
+        except TimeoutError:
+            pass

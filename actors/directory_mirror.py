@@ -1,0 +1,178 @@
+"""An ingress's own copy of the KV directory, so that planning a turn makes no remote call.
+
+The mirror follows the directory actor's change feed (`actors/directory_changes.py`) from a background task
+and answers `lookup` and `live` locally, as llm-d's and Dynamo's routers keep their block index in-process.
+The actor stays the record and the only place a hold is consumed: `consume_hold` asks it, and uses the params
+only if they are the very ones this mirror offered. A mirror that lags costs speed (a missed reuse, a hold
+already gone), never a wrong answer.
+
+Hold ids differ between the actor and its mirrors (each directory numbers its own holds and cache chains);
+the mirror maps the actor's id of every hold it copies to its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import time
+from collections import deque
+from typing import Any
+
+from actors.directory_changes import Changes
+from actors.kv_directory import KVDirectory, LookupResult
+from actors.prefix_hash import PrefixKey
+from actors.replica_api import ReplicaIdentity, ReplicaStats
+from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class DirectoryMirror:
+    """A follower of one directory actor. Not thread-safe: one event loop (the ingress's) owns it.
+
+    `lookup`, `live` and `node_of` read the copy; `record_hold`, `consume_hold` and `deregister` update the
+    actor and the copy; `follow` (a task started by `start`) applies the actor's updates as they happen.
+    """
+
+    POLL_WAIT_S = 2.0
+
+    def __init__(self, directory: Any, block_size: int, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> None:
+        self.directory = directory
+        self.block_size = block_size
+        self.dead_after_s = dead_after_s
+        self.epoch: str | None = None
+        self.seq = 0
+        self.updates_applied = 0
+        self.resyncs = 0
+        self._copy = KVDirectory(block_size)
+        self._replicas = ReplicaRegistry(dead_after_s)
+        self._local_id: dict[int, int] = {}  # the actor's hold id -> this copy's
+        self._actor_id: dict[int, int] = {}  # and back
+        self._gone: deque[int] = deque(maxlen=4096)  # actor hold ids consumed lately (a late copy is skipped)
+        self._caught_up = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # ----- following the actor
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.follow())
+
+    async def follow(self) -> None:
+        while True:
+            try:
+                changes: Changes = await self.directory.changes.remote(self.epoch, self.seq, self.POLL_WAIT_S)
+                self.apply(changes)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the directory restarts; keep the copy until it answers again
+                logger.warning("KV directory feed failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+
+    async def ready(self, timeout_s: float) -> bool:
+        """Wait until the mirror has applied the actor's state once."""
+        try:
+            await asyncio.wait_for(self._caught_up.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def apply(self, changes: Changes) -> None:
+        """Apply one answer of the feed (mutates)."""
+        if changes.snapshot is not None:
+            blob, live = changes.snapshot
+            self._copy = pickle.loads(blob)
+            self._replicas = ReplicaRegistry(self.dead_after_s)
+            for identity, stats in live:
+                self._replicas.heartbeat(identity, stats)
+            # The snapshot's holds carry the actor's ids, and this copy now numbers on from there.
+            self._local_id = {h: h for h in self._copy._holds}
+            self._actor_id = dict(self._local_id)
+            self.resyncs += 1
+        for update in changes.updates:
+            self._apply(update)
+        self.updates_applied += len(changes.updates)
+        self.epoch, self.seq = changes.epoch, changes.seq
+        self._caught_up.set()
+
+    def _apply(self, update: tuple) -> None:
+        kind = update[0]
+        if kind == "beat":
+            self._replicas.heartbeat(update[1], update[2])
+        elif kind == "leave":
+            self._forget(update[1])
+        elif kind == "hold":
+            _, replica_id, key, params, expires_at, num_tokens, hold_id = update
+            self._copy_hold(replica_id, key, params, expires_at, num_tokens, hold_id)
+        elif kind == "consume":
+            self._drop_hold(update[1])
+        elif kind == "resident":
+            self._copy.apply_resident(update[1], update[2])
+
+    def _copy_hold(
+        self, replica_id: str, key: PrefixKey, params: dict[str, Any], expires_at: float, num_tokens: int | None,
+        actor_id: int,
+    ) -> None:
+        if actor_id in self._local_id or actor_id in self._gone:
+            return
+        result = self._copy.record_hold(replica_id, key, params, expires_at, num_tokens=num_tokens)
+        if result.hold_id is not None:
+            self._local_id[actor_id] = result.hold_id
+            self._actor_id[result.hold_id] = actor_id
+
+    def _drop_hold(self, actor_id: int) -> dict[str, Any] | None:
+        self._gone.append(actor_id)
+        local = self._local_id.pop(actor_id, None)
+        if local is None:
+            return None
+        self._actor_id.pop(local, None)
+        return self._copy.consume_hold(local)
+
+    def _forget(self, replica_id: str) -> None:
+        self._replicas.remove(replica_id)
+        self._copy.drop_replica(replica_id)
+
+    # ----- reads (local)
+
+    def lookup(self, key: PrefixKey) -> LookupResult:
+        return self._copy.lookup(key)
+
+    def live(self) -> list[ReplicaStats]:
+        """Replicas whose heartbeats reached this mirror lately (a silent one is dropped with all it holds)."""
+        for replica_id in self._replicas.sweep():
+            self._copy.drop_replica(replica_id)
+        return self._replicas.live()
+
+    def identities(self) -> list[ReplicaIdentity]:
+        return self._replicas.identities()
+
+    # ----- writes (the actor first, then the copy)
+
+    async def record_hold(
+        self, replica_id: str, key: PrefixKey, params: dict[str, Any], expires_at: float, num_tokens: int
+    ) -> None:
+        """Record a turn's new hold at the actor and in this copy, so this ingress's next turn sees it at once."""
+        result = await self.directory.record_hold.remote(replica_id, key, params, expires_at, num_tokens)
+        if result.hold_id is not None:
+            self._copy_hold(replica_id, key, params, expires_at, num_tokens, result.hold_id)
+
+    async def consume_hold(self, local_id: int) -> dict[str, Any] | None:
+        """Take a hold this mirror offered: its params, once, if the actor still has exactly that hold."""
+        actor_id = self._actor_id.get(local_id)
+        if actor_id is None:
+            return None
+        offered = self._drop_hold(actor_id)
+        params = await self.directory.consume_hold.remote(actor_id)
+        if params is None or params != offered:
+            return None  # pulled, released or expired meanwhile, or not the hold this mirror knew
+        return params
+
+    async def deregister(self, replica_id: str) -> None:
+        self._forget(replica_id)
+        await self.directory.deregister.remote(replica_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch, "seq": self.seq, "updates_applied": self.updates_applied, "resyncs": self.resyncs,
+            "holds": len(self._local_id), "replicas": len(self._replicas.live()), "at": time.time(),
+        }

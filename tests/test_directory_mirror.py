@@ -1,0 +1,130 @@
+"""An ingress's mirror of the KV directory: it follows a real directory actor through its change feed, answers
+lookups without a remote call, hands out a hold only once and only if the actor still has that very hold, and
+starts over from a snapshot when the directory restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from actors.directory_mirror import DirectoryMirror
+from actors.kv_directory import StoreResident, get_or_create_directory
+from actors.prefix_hash import PrefixKey, Scope
+from actors.replica_api import ReplicaIdentity, ReplicaStats
+
+SCOPE = Scope("m", "tenant-a")
+BS = 4
+
+
+@pytest.fixture
+def directory(ray_cluster: Any) -> Any:
+    handle = get_or_create_directory(name=f"kvm-{uuid.uuid4().hex[:8]}", namespace="kvrelay-test", block_size=BS)
+    yield handle
+    ray_cluster.kill(handle, no_restart=True)
+
+
+def key(tokens) -> PrefixKey:
+    return PrefixKey.build(tokens, SCOPE, BS)
+
+
+def hold_params(n: int, engine: str = "e1") -> dict[str, Any]:
+    return {"remote_block_ids": [[1, 2, 3]], "remote_engine_id": engine, "remote_request_id": uuid.uuid4().hex,
+            "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": n}
+
+
+def identity(replica_id: str) -> ReplicaIdentity:
+    return ReplicaIdentity(replica_id=replica_id, engine_id=f"e-{replica_id}", nixl_host=None, nixl_port=None,
+                           node_id="n", pid=1, cpu_cores=None, model="m", fast_prefill=False, block_size=BS)
+
+
+def stats(replica_id: str) -> ReplicaStats:
+    return ReplicaStats(replica_id=replica_id, at=time.time(), running=0, waiting=0, kv_cache_usage=0.0,
+                        prefix_cache_hit_rate=0.0, prefill_tok_s=None, decode_tok_s=None, requests_finished=0)
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the mirror did not catch up"
+        await asyncio.sleep(0.02)
+
+
+def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) -> None:
+    conv = key(range(16))
+
+    async def scenario() -> None:
+        mirror = DirectoryMirror(directory, BS)
+        mirror.start()
+        assert await mirror.ready(30)
+        # Updates arrive through the actor, from replicas (heartbeats, cache events) and other ingresses (holds).
+        await directory.heartbeat.remote(identity("r1"), stats("r1"))
+        await directory.heartbeat.remote(identity("r2"), stats("r2"))
+        await directory.record_hold.remote("r1", conv, hold_params(16), time.time() + 3600)
+        await directory.apply_resident.remote("r2", [StoreResident(None, conv.block_hashes[:2])])
+        await until(lambda: len(mirror.lookup(conv.extend([9])).matches) == 2)
+        assert [r.replica_id for r in mirror.live()] == ["r1", "r2"]
+        local = mirror.lookup(conv.extend([9]))
+        assert local.get("r1").hold.num_tokens == 16 and local.get("r2").cached_tokens == 8
+        remote = await directory.lookup.remote(conv.extend([9]))
+
+        def shape(result):  # hold ids are each directory's own
+            return [(m.replica_id, m.kind, m.num_tokens, m.cached_tokens) for m in result.matches]
+
+        assert shape(local) == shape(remote)
+
+        # A replica that leaves takes its holdings with it, in the mirror too.
+        await directory.deregister.remote("r2")
+        await until(lambda: mirror.lookup(conv).get("r2") is None)
+        assert [r.replica_id for r in mirror.live()] == ["r1"]
+
+    asyncio.run(scenario())
+
+
+def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
+    conv = key(range(12))
+    params = hold_params(12)
+
+    async def scenario() -> None:
+        mirrors = [DirectoryMirror(directory, BS) for _ in range(2)]
+        for m in mirrors:
+            m.start()
+            assert await m.ready(30)
+        # One ingress records its turn's hold; it sees it at once, the other through the feed.
+        await mirrors[0].record_hold("r1", conv, params, time.time() + 3600, 12)
+        assert mirrors[0].lookup(conv).get("r1").hold is not None
+        await until(lambda: mirrors[1].lookup(conv).get("r1") is not None)
+        offers = [m.lookup(conv).get("r1").hold for m in mirrors]
+        got = await asyncio.gather(*(m.consume_hold(o.hold_id) for m, o in zip(mirrors, offers, strict=True)))
+        assert sorted(g is not None for g in got) == [False, True]
+        assert next(g for g in got if g is not None) == params
+        # Both copies forget it: neither offers it again.
+        await until(lambda: all(m.lookup(conv).get("r1") is None for m in mirrors))
+
+    asyncio.run(scenario())
+
+
+def test_a_mirror_resyncs_after_the_directory_restarts(ray_cluster: Any, directory: Any) -> None:
+    import ray
+
+    conv = key(range(8))
+
+    async def scenario() -> None:
+        mirror = DirectoryMirror(directory, BS)
+        mirror.start()
+        assert await mirror.ready(30)
+        await directory.record_hold.remote("r1", conv, hold_params(8), time.time() + 3600)
+        await until(lambda: mirror.lookup(conv).get("r1") is not None)
+        epoch = mirror.epoch
+        ray.kill(directory, no_restart=False)
+        # The restarted directory is empty: the mirror must drop what it had, not keep offering it.
+        await until(lambda: mirror.epoch not in (None, epoch), timeout_s=60)
+        assert mirror.lookup(conv).matches == ()
+        assert mirror.resyncs == 2
+        await directory.record_hold.remote("r2", conv, hold_params(8, "e2"), time.time() + 3600)
+        await until(lambda: mirror.lookup(conv).get("r2") is not None)
+
+    asyncio.run(scenario())
