@@ -40,8 +40,10 @@ $(STAMPS)/model-$(DEFAULT_MODEL): $(STAMPS)/deps
 
 models: $(STAMPS)/model-$(DEFAULT_MODEL)
 
+# Ray Serve's throughput-optimized mode: the ingress replica takes HTTP itself (direct ingress) besides the proxy,
+# deployments talk over gRPC, user code runs on the replica's own event loop (benchmarks/results/overhead*.json).
 serve: models
-	$(BIN)/serve run serve_config.yaml
+	RAY_SERVE_THROUGHPUT_OPTIMIZED=1 $(BIN)/serve run serve_config.yaml
 
 test: models
 	$(BIN)/python -m pytest tests

@@ -3,7 +3,8 @@
 Each ingress keeps a mirror of the directory (`actors/directory_mirror.py`) so that planning a turn makes no
 remote call; the actor stays the record (a restarted ingress resyncs from it) and the only place a hold is
 consumed. A mirror long-polls `changes(epoch, since)`: the updates after sequence number `since`, or, when it
-is new, behind the log's window, or the directory restarted (another epoch), a snapshot to start from.
+is new, behind the log's window, or the directory restarted (another epoch), a snapshot to start from (fetched
+in parts with `snapshot_part`).
 
 Updates are plain tuples whose first field names them:
     ("beat", identity, stats)        a replica's heartbeat
@@ -20,6 +21,11 @@ import itertools
 from collections import deque
 from typing import Any, NamedTuple
 
+# Bound every message of the feed well below the 4 MB that Ray Serve's gRPC transport (its throughput-optimized
+# mode) carries between deployments: updates come in batches, a snapshot in parts.
+MAX_UPDATES = 500
+SNAPSHOT_PART_BYTES = 2 * 1024**2
+
 
 class Changes(NamedTuple):
     """What a mirror must apply to reach sequence number `seq` of directory `epoch`."""
@@ -27,8 +33,23 @@ class Changes(NamedTuple):
     epoch: str
     seq: int
     updates: list[tuple]
-    # Set when the mirror must start over: (pickled KVDirectory, [(identity, stats) of live replicas]).
-    snapshot: tuple[bytes, list[tuple[Any, Any]]] | None = None
+    # Set when the mirror must start over from the snapshot taken at `seq`: how many parts to fetch
+    # (`snapshot_part`), and the live replicas' (identity, stats).
+    snapshot_parts: int = 0
+    live: list[tuple[Any, Any]] | None = None
+
+
+class Snapshot(NamedTuple):
+    """A pickled directory cut into parts; parts are fetched by (epoch, seq, index)."""
+
+    epoch: str
+    seq: int
+    parts: list[bytes]
+
+    @classmethod
+    def of(cls, epoch: str, seq: int, blob: bytes) -> Snapshot:
+        cut = SNAPSHOT_PART_BYTES
+        return cls(epoch, seq, [blob[i : i + cut] for i in range(0, len(blob), cut)] or [b""])
 
 
 class ChangeLog:
@@ -54,7 +75,7 @@ class ChangeLog:
         first = self._entries[0][0] if self._entries else self.seq + 1
         return since <= self.seq and since >= first - 1
 
-    def after(self, since: int, limit: int = 5000) -> list[tuple]:
+    def after(self, since: int, limit: int = MAX_UPDATES) -> list[tuple]:
         """Updates with sequence numbers in (since, since + limit]; `covers(since)` must hold."""
         newer = list(itertools.islice(reversed(self._entries), self.seq - since))
         return [update for _, update in reversed(newer[-limit:])]

@@ -62,7 +62,14 @@ class DirectoryMirror:
         while True:
             try:
                 changes: Changes = await self.directory.changes.remote(self.epoch, self.seq, self.POLL_WAIT_S)
-                self.apply(changes)
+                snapshot = None
+                if changes.snapshot_parts:
+                    parts = [await self.directory.snapshot_part.remote(changes.epoch, changes.seq, i)
+                             for i in range(changes.snapshot_parts)]
+                    if any(p is None for p in parts):
+                        continue  # a newer snapshot replaced it meanwhile: ask again
+                    snapshot = b"".join(parts)
+                self.apply(changes, snapshot)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the directory restarts; keep the copy until it answers again
@@ -77,13 +84,12 @@ class DirectoryMirror:
         except TimeoutError:
             return False
 
-    def apply(self, changes: Changes) -> None:
-        """Apply one answer of the feed (mutates)."""
-        if changes.snapshot is not None:
-            blob, live = changes.snapshot
-            self._copy = pickle.loads(blob)
+    def apply(self, changes: Changes, snapshot: bytes | None = None) -> None:
+        """Apply one answer of the feed, with its snapshot's bytes if it has one (mutates)."""
+        if snapshot is not None:
+            self._copy = pickle.loads(snapshot)
             self._replicas = ReplicaRegistry(self.dead_after_s)
-            for identity, stats in live:
+            for identity, stats in changes.live or ():
                 self._replicas.heartbeat(identity, stats)
             # The snapshot's holds carry the actor's ids, and this copy now numbers on from there.
             self._local_id = {h: h for h in self._copy._holds}

@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgpack
 
-from actors.directory_changes import ChangeLog, Changes
+from actors.directory_changes import ChangeLog, Changes, Snapshot
 from actors.prefix_hash import HASH_BYTES, TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
@@ -920,6 +920,7 @@ class KVDirectoryActor:
         self._directory = KVDirectory(**directory_kwargs)
         self._replicas = ReplicaRegistry(dead_after_s)
         self._log = ChangeLog()
+        self._snapshot: Snapshot | None = None
 
     # ----- live replicas (heartbeats)
 
@@ -995,15 +996,25 @@ class KVDirectoryActor:
     # ----- mirrors
 
     async def changes(self, epoch: str | None, since: int, wait_s: float = 2.0) -> Changes:
-        """The updates after `since` (waiting up to `wait_s` for one), or a snapshot when `epoch` is not this
-        directory's or `since` fell out of the log."""
+        """The updates after `since` (waiting up to `wait_s` for one), or, when `epoch` is not this directory's
+        or `since` fell out of the log, a snapshot to fetch with `snapshot_part` and the live replicas."""
         if epoch != self._directory.epoch or not self._log.covers(since):
             self._sweep()
-            live = [(i, s) for i, s in zip(self._replicas.identities(), self._replicas.live(), strict=True)]
-            return Changes(self._directory.epoch, self._log.seq, [], (pickle.dumps(self._directory), live))
+            seq = self._log.seq
+            if self._snapshot is None or self._snapshot.seq != seq or self._snapshot.epoch != self._directory.epoch:
+                self._snapshot = Snapshot.of(self._directory.epoch, seq, pickle.dumps(self._directory))
+            live = list(zip(self._replicas.identities(), self._replicas.live(), strict=True))
+            return Changes(self._directory.epoch, seq, [], len(self._snapshot.parts), live)
         await self._log.wait(since, wait_s)
         updates = self._log.after(since)
         return Changes(self._directory.epoch, since + len(updates), updates)
+
+    async def snapshot_part(self, epoch: str, seq: int, index: int) -> bytes | None:
+        """Part `index` of the snapshot taken at (`epoch`, `seq`); None once a newer one replaced it."""
+        snap = self._snapshot
+        if snap is None or (snap.epoch, snap.seq) != (epoch, seq):
+            return None
+        return snap.parts[index]
 
     async def stats(self) -> DirectoryStats:
         return self._directory.stats()

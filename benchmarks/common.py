@@ -49,12 +49,20 @@ class BenchApp:
 
 
 def start_app(
-    model: str | None = None, num_replicas: int = 2, pool: dict[str, Any] | None = None, **engine: Any
+    model: str | None = None, num_replicas: int = 2, pool: dict[str, Any] | None = None,
+    throughput_optimized: bool = False, **engine: Any
 ) -> BenchApp:
     """Start Ray and serve a kvrelay app (default model unless given); waits until replicas report.
 
-    `pool` adds PoolConfig fields (e.g. `num_gpus: 1` on GPU machines); `engine` adds EngineConfig fields."""
+    `pool` adds PoolConfig fields (e.g. `num_gpus: 1` on GPU machines); `engine` adds EngineConfig fields.
+    `throughput_optimized` runs Ray Serve's fast path (RAY_SERVE_THROUGHPUT_OPTIMIZED) in the cluster; this
+    driver keeps its handles' router on a loop of its own so that its blocking calls still work."""
     loopback_ray_env()
+    worker_env = {"PYTHONPATH": str(REPO_ROOT)}
+    if throughput_optimized:
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+        os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] = "1"
+        worker_env |= {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
     import ray
     from ray import serve
     from transformers import AutoTokenizer
@@ -67,7 +75,7 @@ def start_app(
     temp_dir = tempfile.mkdtemp(prefix="kvb", dir="/tmp")
     ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=512 * 1024**2,
              _temp_dir=temp_dir, logging_level="WARNING", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+             runtime_env={"env_vars": worker_env})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
     config = {"name": "bench",

@@ -18,6 +18,8 @@ def default_replica(loop_thread):
     replica = EngineReplica(
         EngineConfig(
             model=DEFAULT_MODEL,
+            # As serve_config.yaml serves it: bf16 flips this answer on CPUs with AMX.
+            dtype="float32",
             max_model_len=1024,
             kv_cache_memory_bytes=128 * 1024**2,
             nixl=NixlSettings(enabled=False),
