@@ -45,6 +45,12 @@ class Policy(StrEnum):
 # vLLM's own rule (`kv_recompute_threshold`): pull whenever the remote prefix has at least this many tokens.
 VLLM_PULL_THRESHOLD = 64
 
+# A turn leaves the replica that caches most of its history only for an option estimated at least this much
+# faster (fraction and milliseconds both): an estimate is a fit with errors of about this size, and a move costs
+# a transfer, a second copy of the KV and the stay replica's warm cache for the next turn.
+STAY_MARGIN = 0.10
+STAY_MARGIN_MS = 5.0
+
 
 class ReplicaView(NamedTuple):
     """A live replica as the planner sees it."""
@@ -166,7 +172,7 @@ def plan_turn(
         if mode is Mode.RECOMPUTE:
             chosen = chosen._replace(mode=Mode.RECOMPUTE, reused_tokens=0, cached_tokens=0, hold=None)
     elif policy is Policy.KVRELAY:
-        chosen = _fastest(options, preferred_replica)
+        chosen = _stay_unless_clearly_faster(options, _fastest(options, preferred_replica))
     else:
         chosen = _baseline_choice(policy, options, lookup, replicas, preferred_replica, rotation)
     estimates: dict[str, float] = {}
@@ -203,6 +209,20 @@ def _fastest(options: Sequence[Option], preferred_replica: str | None) -> Option
         return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.estimate_ms)
 
     return min(options, key=rank)
+
+
+def _stay_unless_clearly_faster(options: Sequence[Option], fastest: Option) -> Option:
+    """`fastest`, unless it leaves the replica caching the longest part of the history without saving at least
+    STAY_MARGIN and STAY_MARGIN_MS over staying there."""
+    stays = [o for o in options if o.mode is Mode.LOCAL]
+    if not stays:
+        return fastest
+    stay = min(stays, key=lambda o: (-o.cached_tokens, o.estimate_ms))
+    if fastest.replica_id == stay.replica_id:
+        return fastest
+    if fastest.estimate_ms <= stay.estimate_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS:
+        return fastest
+    return stay
 
 
 def _baseline_choice(

@@ -9,7 +9,7 @@ from app.turns import preferred_replica
 from kvtransfer.connector import is_hold, pull_params, release_params
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import Mode, Policy, ReplicaView, plan_turn
+from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, Policy, ReplicaView, plan_turn
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "head_dim": 64}
@@ -75,6 +75,22 @@ def test_short_history_is_recomputed_and_long_history_is_pulled():
     assert set(plan.estimates_ms) == {"local", "pull", "recompute"}
     # With an idle holder the local prefix hit is cheapest.
     assert plan_turn(4096 + 32, long_hist, live, cost).mode is Mode.LOCAL
+
+
+def test_a_turn_stays_with_its_history_unless_moving_clearly_pays():
+    cost = calibrated(prefill_ms_per_token=0.3, pull_fixed_ms=8.0)
+    n = 1024
+    history = lookup(n + 32, ReplicaMatch("a", n, "hold", n, hold("a", n)))
+    # One request ahead on the holder: waiting for it costs less than 10% of the turn. Stay.
+    slightly_busy = [ReplicaView("a", prefill_tokens=64), ReplicaView("b")]
+    plan = plan_turn(n + 32, history, slightly_busy, cost)
+    estimates = plan.estimates_ms
+    assert estimates["pull"] < estimates["local"] < estimates["pull"] / (1 - STAY_MARGIN) + STAY_MARGIN_MS
+    assert (plan.replica_id, plan.mode) == ("a", Mode.LOCAL)
+    # A long queue on the holder: pulling to the idle replica is far faster, so the turn moves.
+    busy = [ReplicaView("a", prefill_tokens=4000), ReplicaView("b")]
+    assert (plan_turn(n + 32, history, busy, cost).replica_id, plan_turn(n + 32, history, busy, cost).mode) == (
+        "b", Mode.PULL)
 
 
 def test_crossover_moves_with_the_measured_link_not_a_fixed_threshold():
