@@ -15,8 +15,11 @@ def disagg_app(serve_port):
     from ray import serve
 
     engine = dict(TINY_ENGINE, model="tiny-llama")
+    # As in vLLM PR #32553's experiment, the prefill side keeps no prefix cache: the history can only come back
+    # from the decoder, so every later turn must pull it.
+    prefill = dict(engine, enable_prefix_caching=False)
     app = run_app("disagg", "/disagg", serve_port, topology="disaggregated",
-                  pool={"num_replicas": 1, "engine": engine}, decode_pool={"num_replicas": 1, "engine": engine})
+                  pool={"num_replicas": 1, "engine": prefill}, decode_pool={"num_replicas": 1, "engine": engine})
     app.replica_ids(2)
     yield app
     serve.delete("disagg")
@@ -28,6 +31,7 @@ def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disag
     reference_replica = tiny_app.replica_ids(1)[0]
     stats = disagg_app.ingress.stats.remote().result()["replicas"]
     decoders = {r["replica_id"] for r in stats if r["pool"] == "decode_engines"}
+    held = 0  # tokens whose KV the decode replica holds after the previous turn
     for turn in range(TURNS):
         result = disagg_app.ingress.turn.remote(history, GREEDY).result(timeout_s=120)
         reference = tiny_app.ingress.turn.remote(history, GREEDY, ("recompute", reference_replica)).result(
@@ -35,5 +39,10 @@ def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disag
         assert result.token_ids == reference.token_ids, turn
         assert result.kvrelay.replica in decoders  # the reply streamed from the decode replica
         if turn > 0:
-            assert result.usage.prompt_tokens_details.cached_tokens > 0, result.kvrelay
+            # The prefill replica pulled the history back from the decoder: exactly the tokens it held.
+            plan = result.kvrelay
+            assert (plan.mode, plan.holder) == ("pull", next(iter(decoders))), plan
+            assert plan.reused_tokens == result.usage.prompt_tokens_details.cached_tokens == held, plan
+        # The decoder's hold covers this turn's prompt and output but the last sampled token (no KV yet).
+        held = len(history) + len(result.token_ids) - 1
         history = history + result.token_ids + user_tokens(rng, 20)

@@ -77,13 +77,21 @@ def test_four_turn_conversation_reuses_kv_on_turns_two_to_four(client):
 
 
 def test_session_header_is_a_placement_hint(client, tiny_app):
-    replicas = set()
-    for i in range(3):
-        resp = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": f"short {i}"}], max_tokens=2,
-            extra_headers={"X-Session-Id": "session-42"})
-        replicas.add(json.loads(resp.headers["x-kvrelay-plan"])["replica"])
-    assert len(replicas) == 1
+    from app.turns import preferred_replica
+
+    ids = tiny_app.replica_ids(2)
+    # Two sessions whose hash prefers different replicas: a planner ignoring the hint could not place both.
+    sessions = {}
+    for name in (f"session-{i}" for i in range(100)):
+        sessions.setdefault(preferred_replica(name, ids), name)
+        if len(sessions) == 2:
+            break
+    for replica, session in sessions.items():
+        for i in range(3):
+            resp = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"short {session} {i}"}], max_tokens=2,
+                extra_headers={"X-Session-Id": session})
+            assert json.loads(resp.headers["x-kvrelay-plan"])["replica"] == replica, (session, i)
 
 
 def test_models_health_and_metrics(tiny_app, client):
