@@ -40,10 +40,10 @@ $(STAMPS)/model-$(DEFAULT_MODEL): $(STAMPS)/deps
 
 models: $(STAMPS)/model-$(DEFAULT_MODEL)
 
-# Ray Serve's throughput-optimized mode: the ingress replica takes HTTP itself (direct ingress) besides the proxy,
-# deployments talk over gRPC, user code runs on the replica's own event loop (benchmarks/results/overhead*.json).
+# Ray Serve's default request path: its throughput-optimized mode measured no faster per request through the
+# proxy and slower per streamed token (README, "What is on"; benchmarks/results/overhead*.json).
 serve: models
-	RAY_SERVE_THROUGHPUT_OPTIMIZED=1 $(BIN)/serve run serve_config.yaml
+	$(BIN)/serve run serve_config.yaml
 
 test: models
 	$(BIN)/python -m pytest tests

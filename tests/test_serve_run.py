@@ -20,9 +20,8 @@ BASE = "http://127.0.0.1:8000"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve_run") / "serve_run.log"
-    # As `make serve` runs it: Ray Serve's throughput-optimized mode.
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_SERVE_THROUGHPUT_OPTIMIZED="1")
+               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     serve_bin = Path(sys.executable).parent / "serve"
     with open(log, "wb") as out:
         # A new session so SIGTERM reaches serve and the Ray cluster it started; `--address local` keeps it
