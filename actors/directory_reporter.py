@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 class DirectoryReporter:
-    """Every `heartbeat_s`: identity and load. Continuously: blocks stored, evicted, cleared (if `events`)."""
+    """Every `heartbeat_s`: identity and load (every `idle_heartbeat_s` while they do not change).
+    Continuously: blocks stored, evicted, cleared (if `events`)."""
+
+    idle_heartbeat_s = 2.0
 
     def __init__(
         self,
@@ -52,9 +56,18 @@ class DirectoryReporter:
             forwarder = KVEventForwarder(replica_id, publish, tracker, send, replay_endpoint=replay)
             forwarder.start()
         first = True
+        last_sent: dict[str, Any] | None = None
+        last_sent_at = 0.0
         while not await asyncio.to_thread(self._stopping.wait, self.heartbeat_s):
+            stats = self.stats()
+            figures = stats.model_dump(exclude={"at"})
+            # An idle replica's figures do not change: beat less often (every beat wakes the directory and every
+            # ingress's mirror), still well within the directory's dead-after window.
+            if figures == last_sent and time.monotonic() - last_sent_at < self.idle_heartbeat_s:
+                continue
             try:
-                new = await directory.heartbeat.remote(self.identity, self.stats())
+                new = await directory.heartbeat.remote(self.identity, stats)
+                last_sent, last_sent_at = figures, time.monotonic()
                 if new and not first and forwarder is not None:
                     forwarder.resync()  # the directory had dropped us (restart, missed beats): re-report
                 first = False

@@ -25,6 +25,7 @@ from actors.replica_api import (
     AttentionGroupInfo,
     GenerateDelta,
     GenerateRequest,
+    HoldRelease,
     InvalidRequestError,
     ReplicaIdentity,
     ReplicaStats,
@@ -227,9 +228,14 @@ class EngineReplica:
             return export_params()
         return None
 
-    async def release_hold(self, hold: dict[str, Any]) -> None:
-        """Free a hold (on this or another replica) before its lease ends; its blocks return to the cache."""
-        await self.engine.notify_kv_transfer_request_rejected(f"release-{uuid.uuid4().hex}", release_params(hold))
+    async def release_hold(self, release: HoldRelease | dict[str, Any]) -> None:
+        """Free another replica's hold before its lease ends; its blocks return to that replica's cache."""
+        release = HoldRelease.model_validate(release)
+        if release.hold.get("remote_engine_id") == self.engine_id:
+            raise InvalidRequestError("a replica cannot release its own hold; send the release to another replica")
+        await self.engine.notify_kv_transfer_request_rejected(
+            f"release-{uuid.uuid4().hex}", release_params(release.hold)
+        )
 
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[GenerateDelta]:
         """Stream one generation as deltas; the last delta carries totals and vLLM's kv_transfer_params."""

@@ -69,6 +69,17 @@ class GenerateRequest(BaseModel):
         return self
 
 
+class HoldRelease(BaseModel):
+    """Free another replica's hold early: the receiving engine tells the holder over NIXL that it will not read it.
+
+    A replica cannot release its own hold this way (its connector would handshake with itself), so the caller
+    names another one in `target_replica`, which the replica router reads like a generate request's.
+    """
+
+    hold: dict[str, Any]
+    target_replica: str
+
+
 class GenerateDelta(BaseModel):
     """One streamed step. The last item has `finished=True` and the request's totals."""
 

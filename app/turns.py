@@ -21,7 +21,7 @@ from typing import Any
 from actors.directory_mirror import DirectoryMirror
 from actors.kv_directory import HoldOffer
 from actors.prefix_hash import PrefixKey, Scope
-from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats, Sampling
+from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats, Sampling
 from kvtransfer.connector import held_tokens, is_hold, is_load_failure, pull_params
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan, Policy, ReplicaView, plan_turn
@@ -312,14 +312,20 @@ class TurnRunner:
     async def _release(self, holds: Sequence[HoldOffer]) -> None:
         """Take holds out of the directory and free their blocks on their replicas, now rather than at expiry.
 
-        A pending hold pins KV blocks and keeps its engine stepping every millisecond (about a core on CPU).
+        A pending hold pins KV blocks (and keeps its engine stepping now and then to free them).
         """
+        pool = {r.replica_id: r.pool for r in self.replicas()}
         for offer in holds:
+            # Any replica of the engine pool but the holder can send the release (a holder cannot release its own).
+            sender = next((rid for rid, p in sorted(pool.items()) if p == PREFILL_POOL and rid != offer.replica_id),
+                          None)
+            if sender is None:
+                continue  # a lone replica: the hold lasts until its lease ends
             try:
                 params = await self.directory.consume_hold(offer.hold_id)
                 if params is not None:  # None: pulled, expired or released already
                     self.counters["holds_released"] += 1
-                    await self.engines.release_hold.remote(params)
+                    await self.engines.release_hold.remote(HoldRelease(hold=params, target_replica=sender))
             except Exception as exc:  # the hold then lasts until its lease ends: slower, never wrong
                 logger.warning("could not release hold %s on %s: %s", offer.hold_id, offer.replica_id, exc)
 
