@@ -22,7 +22,7 @@ from typing import Any
 from actors.directory_changes import Changes
 from actors.kv_directory import KVDirectory, LookupResult
 from actors.prefix_hash import PrefixKey
-from actors.replica_api import ReplicaIdentity, ReplicaStats
+from actors.replica_api import ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
 
 logger = logging.getLogger(__name__)
@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 class DirectoryMirror:
     """A follower of one directory actor. Not thread-safe: one event loop (the ingress's) owns it.
 
-    `lookup`, `live` and `node_of` read the copy; `record_hold`, `consume_hold` and `deregister` update the
-    actor and the copy; `follow` (a task started by `start`) applies the actor's updates as they happen.
+    `lookup` and `live` read the copy (`epoch` is None until the first answer arrives); `record_hold`,
+    `consume_hold` and `deregister` update the actor and the copy; `follow` (a task started by `start`) applies
+    the actor's updates as they happen.
     """
 
     POLL_WAIT_S = 2.0
@@ -50,7 +51,6 @@ class DirectoryMirror:
         self._local_id: dict[int, int] = {}  # the actor's hold id -> this copy's
         self._actor_id: dict[int, int] = {}  # and back
         self._gone: deque[int] = deque(maxlen=4096)  # actor hold ids consumed lately (a late copy is skipped)
-        self._caught_up = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     # ----- following the actor
@@ -76,14 +76,6 @@ class DirectoryMirror:
                 logger.warning("KV directory feed failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
 
-    async def ready(self, timeout_s: float) -> bool:
-        """Wait until the mirror has applied the actor's state once."""
-        try:
-            await asyncio.wait_for(self._caught_up.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
-
     def apply(self, changes: Changes, snapshot: bytes | None = None) -> None:
         """Apply one answer of the feed, with its snapshot's bytes if it has one (mutates)."""
         if snapshot is not None:
@@ -99,7 +91,6 @@ class DirectoryMirror:
             self._apply(update)
         self.updates_applied += len(changes.updates)
         self.epoch, self.seq = changes.epoch, changes.seq
-        self._caught_up.set()
 
     def _apply(self, update: tuple) -> None:
         kind = update[0]
@@ -148,9 +139,6 @@ class DirectoryMirror:
         for replica_id in self._replicas.sweep():
             self._copy.drop_replica(replica_id)
         return self._replicas.live()
-
-    def identities(self) -> list[ReplicaIdentity]:
-        return self._replicas.identities()
 
     # ----- writes (the actor first, then the copy)
 

@@ -943,10 +943,6 @@ class KVDirectoryActor:
             self._directory.drop_replica(replica_id)
             self._log.append(("leave", replica_id))
 
-    async def live_replicas(self) -> list[ReplicaStats]:
-        self._sweep()
-        return self._replicas.live()
-
     async def replica_identities(self) -> list[ReplicaIdentity]:
         self._sweep()
         return self._replicas.identities()

@@ -59,7 +59,7 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
     async def scenario() -> None:
         mirror = DirectoryMirror(directory, BS)
         mirror.start()
-        assert await mirror.ready(30)
+        await until(lambda: mirror.epoch is not None, timeout_s=30)
         # Updates arrive through the actor, from replicas (heartbeats, cache events) and other ingresses (holds).
         await directory.heartbeat.remote(identity("r1"), stats("r1"))
         await directory.heartbeat.remote(identity("r2"), stats("r2"))
@@ -92,7 +92,7 @@ def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
         mirrors = [DirectoryMirror(directory, BS) for _ in range(2)]
         for m in mirrors:
             m.start()
-            assert await m.ready(30)
+        await until(lambda: all(m.epoch is not None for m in mirrors), timeout_s=30)
         # One ingress records its turn's hold; it sees it at once, the other through the feed.
         await mirrors[0].record_hold("r1", conv, params, time.time() + 3600, 12)
         assert mirrors[0].lookup(conv).get("r1").hold is not None
@@ -115,7 +115,7 @@ def test_a_mirror_resyncs_after_the_directory_restarts(ray_cluster: Any, directo
     async def scenario() -> None:
         mirror = DirectoryMirror(directory, BS)
         mirror.start()
-        assert await mirror.ready(30)
+        await until(lambda: mirror.epoch is not None, timeout_s=30)
         await directory.record_hold.remote("r1", conv, hold_params(8), time.time() + 3600)
         await until(lambda: mirror.lookup(conv).get("r1") is not None)
         epoch = mirror.epoch
