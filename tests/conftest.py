@@ -82,6 +82,23 @@ def ray_cluster() -> Iterator[Any]:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+# Block size of the directory actors the directory tests start (small, so short token lists fill blocks).
+DIRECTORY_BLOCK_SIZE = 4
+
+
+@pytest.fixture
+def directory(ray_cluster: Any) -> Any:
+    """A fresh KV directory actor per test (named uniquely), killed at the end."""
+    import uuid
+
+    from actors.kv_directory import get_or_create_directory
+
+    handle = get_or_create_directory(name=f"kvd-{uuid.uuid4().hex[:8]}", namespace="kvrelay-test",
+                                     block_size=DIRECTORY_BLOCK_SIZE)
+    yield handle
+    ray_cluster.kill(handle, no_restart=True)
+
+
 def free_port() -> int:
     import socket
 

@@ -9,26 +9,10 @@ import time
 import uuid
 from typing import Any
 
-import pytest
-
 from actors.directory_mirror import DirectoryMirror
-from actors.kv_directory import StoreResident, get_or_create_directory
-from actors.prefix_hash import PrefixKey, Scope
+from actors.kv_directory import StoreResident
 from actors.replica_api import ReplicaIdentity, ReplicaStats
-
-SCOPE = Scope("m", "tenant-a")
-BS = 4
-
-
-@pytest.fixture
-def directory(ray_cluster: Any) -> Any:
-    handle = get_or_create_directory(name=f"kvm-{uuid.uuid4().hex[:8]}", namespace="kvrelay-test", block_size=BS)
-    yield handle
-    ray_cluster.kill(handle, no_restart=True)
-
-
-def key(tokens) -> PrefixKey:
-    return PrefixKey.build(tokens, SCOPE, BS)
+from tests.test_kv_directory_actor import BS, key
 
 
 def hold_params(n: int, engine: str = "e1") -> dict[str, Any]:

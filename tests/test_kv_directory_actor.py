@@ -8,8 +8,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import pytest
-
 from actors.kv_directory import (
     ClearResident,
     DirectoryStats,
@@ -20,18 +18,11 @@ from actors.kv_directory import (
     remote_lookup,
 )
 from actors.prefix_hash import PrefixKey, Scope
+from tests.conftest import DIRECTORY_BLOCK_SIZE
 
 T = TypeVar("T")
 SCOPE = Scope("m", "tenant-a")
-BS = 4
-
-
-@pytest.fixture
-def directory(ray_cluster: Any) -> Any:
-    """A fresh directory actor per test (named uniquely), killed at the end."""
-    handle = get_or_create_directory(name=f"kvd-{uuid.uuid4().hex[:8]}", namespace="kvrelay-test", block_size=BS)
-    yield handle
-    ray_cluster.kill(handle, no_restart=True)
+BS = DIRECTORY_BLOCK_SIZE
 
 
 def key(tokens: list[int] | range) -> PrefixKey:
