@@ -32,8 +32,8 @@ class DirectoryMirror:
     """A follower of one directory actor. Not thread-safe: one event loop (the ingress's) owns it.
 
     `lookup` and `live` read the copy (`epoch` is None until the first answer arrives); `record_hold`,
-    `consume_hold` and `deregister` update the actor and the copy; `follow` (a task started by `start`) applies
-    the actor's updates as they happen.
+    `consume_hold` and `deregister` update the copy and the actor (`record_hold` without waiting for it);
+    `follow` (a task started by `start`) applies the actor's updates as they happen.
     """
 
     POLL_WAIT_S = 2.0
@@ -52,6 +52,8 @@ class DirectoryMirror:
         self._actor_id: dict[int, int] = {}  # and back
         self._gone: deque[int] = deque(maxlen=4096)  # actor hold ids consumed lately (a late copy is skipped)
         self._task: asyncio.Task | None = None
+        self._pending: dict[int, asyncio.Task] = {}  # local hold id -> its recording at the actor, until answered
+        self._background: set[asyncio.Task] = set()  # asyncio keeps weak references to tasks only
 
     # ----- following the actor
 
@@ -142,16 +144,52 @@ class DirectoryMirror:
 
     # ----- writes (the actor first, then the copy)
 
-    async def record_hold(
+    def record_hold(
         self, replica_id: str, key: PrefixKey, params: dict[str, Any], expires_at: float, num_tokens: int
+    ) -> asyncio.Task:
+        """Record a turn's new hold in this copy at once, so this ingress's next turn sees it, and at the actor in
+        the background, so the turn's last token does not wait for a directory round trip. Returns that task.
+
+        Until the actor answers, the hold is offered here but only usable through this mirror: `consume_hold`
+        waits for the answer; if the actor refused the hold, the copy drops it too.
+        """
+        local = self._copy.record_hold(replica_id, key, params, expires_at, num_tokens=num_tokens).hold_id
+        task = asyncio.get_running_loop().create_task(
+            self._record_at_actor(local, replica_id, key, params, expires_at, num_tokens))
+        if local is not None:
+            self._pending[local] = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _record_at_actor(
+        self, local: int | None, replica_id: str, key: PrefixKey, params: dict[str, Any], expires_at: float,
+        num_tokens: int,
     ) -> None:
-        """Record a turn's new hold at the actor and in this copy, so this ingress's next turn sees it at once."""
-        result = await self.directory.record_hold.remote(replica_id, key, params, expires_at, num_tokens)
-        if result.hold_id is not None:
-            self._copy_hold(replica_id, key, params, expires_at, num_tokens, result.hold_id)
+        try:
+            answer = await self.directory.record_hold.remote(replica_id, key, params, expires_at, num_tokens)
+            actor_id = answer.hold_id
+        except Exception as exc:  # the directory restarts: the hold is not offered, its lease frees it
+            logger.warning("could not record a hold of %s at the KV directory: %s", replica_id, exc)
+            actor_id = None
+        finally:
+            self._pending.pop(local, None)
+        if local is None:  # this copy knew a deeper hold already; follow the actor's answer as the feed would
+            if actor_id is not None:
+                self._copy_hold(replica_id, key, params, expires_at, num_tokens, actor_id)
+            return
+        if actor_id is None or actor_id in self._local_id or actor_id in self._gone:
+            # Refused by the actor, or its feed delivered (or consumed) the hold first: keep one copy, or none.
+            self._copy.consume_hold(local)
+            return
+        self._local_id[actor_id] = local
+        self._actor_id[local] = actor_id
 
     async def consume_hold(self, local_id: int) -> dict[str, Any] | None:
         """Take a hold this mirror offered: its params, once, if the actor still has exactly that hold."""
+        pending = self._pending.get(local_id)
+        if pending is not None:
+            await asyncio.shield(pending)
         actor_id = self._actor_id.get(local_id)
         if actor_id is None:
             return None

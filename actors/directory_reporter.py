@@ -44,7 +44,7 @@ class DirectoryReporter:
         self._thread.start()
 
     async def _run(self) -> None:
-        directory, replica_id = self.directory, self.identity.replica_id
+        directory, replica_id = self._own_handle(), self.identity.replica_id
         forwarder = None
         if self.events is not None:
 
@@ -79,6 +79,19 @@ class DirectoryReporter:
             await asyncio.wait_for(directory.deregister.remote(replica_id), timeout=5)
         except Exception as exc:  # the directory may be gone already (app teardown)
             logger.warning("could not deregister %s from the KV directory: %s", replica_id, exc)
+
+    def _own_handle(self) -> Any:
+        """A Serve handle whose router lives on this thread's loop. In Ray Serve's throughput-optimized mode a
+        handle routes on the loop that first used it, and the one passed to the replica belongs to the serving
+        loop; calling it from here lost heartbeats. A plain Ray actor handle (tests) is used as is."""
+        from ray.serve.handle import DeploymentHandle
+
+        if isinstance(self.directory, DeploymentHandle):
+            from ray import serve
+
+            did = self.directory.deployment_id
+            return serve.get_deployment_handle(did.name, did.app_name)
+        return self.directory
 
     def stop(self, timeout_s: float = 10) -> None:
         """Stop reporting and deregister (blocks until done, at most `timeout_s`)."""

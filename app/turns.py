@@ -304,7 +304,7 @@ class TurnRunner:
                 if delta.finished:
                     outcome.replica_id = delta.replica_id
                     outcome.reused_tokens = delta.num_cached_tokens
-                    await self._after_turn(turn, turn.token_ids + output, plan, params, delta, stage)
+                    self._after_turn(turn, turn.token_ids + output, plan, params, delta, stage)
                 yield delta
         finally:
             self.inflight.ended(where, request.request_id)
@@ -329,15 +329,15 @@ class TurnRunner:
             except Exception as exc:  # the hold then lasts until its lease ends: slower, never wrong
                 logger.warning("could not release hold %s on %s: %s", offer.hold_id, offer.replica_id, exc)
 
-    async def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
+    def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
         if is_hold(last.kv_transfer_params):
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
-            await self.directory.record_hold(
+            self.directory.record_hold(
                 last.replica_id, key, last.kv_transfer_params, time.time() + self.hold_ttl_s,
                 held_tokens(last.kv_transfer_params),
             )
 
-    async def _after_turn(
+    def _after_turn(
         self,
         turn: Turn,
         key_tokens: list[int],
@@ -352,10 +352,10 @@ class TurnRunner:
         prefill time is its transfer, not compute, so it teaches nothing.
         """
         if stage == "decode":
-            await self._record_hold(turn, key_tokens, last)
+            self._record_hold(turn, key_tokens, last)
             return
         if stage == "turn":
-            await self._record_hold(turn, key_tokens, last)
+            self._record_hold(turn, key_tokens, last)
         if last.prefill_s is None or not last.ran_alone:
             return  # a turn batched with others times the batch, not the model or the link
         prefill_ms = last.prefill_s * 1e3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -30,6 +31,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive ports that are free on 127.0.0.1 now."""
+    for _ in range(100):
+        first = free_port()
+        if first + count > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 @dataclass
 class BenchApp:
     ingress: Any
@@ -38,6 +56,8 @@ class BenchApp:
     model: str
     vocab_size: int
     temp_dir: str
+    # Ray Serve's throughput-optimized mode: the ingress replica's own HTTP port (direct ingress, no proxy hop).
+    direct_url: str | None = None
 
     def replica_ids(self, count: int, timeout_s: float = 600) -> list[str]:
         deadline = time.monotonic() + timeout_s
@@ -59,9 +79,14 @@ def start_app(
     driver keeps its handles' router on a loop of its own so that its blocking calls still work."""
     loopback_ray_env()
     worker_env = {"PYTHONPATH": str(REPO_ROOT)}
+    direct_port = None
     if throughput_optimized:
+        # Ingress replicas take ports from this range in the order they start: the app's ingress gets the first.
+        direct_port = free_port_range(16)
         os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
         os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] = "1"
+        os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(direct_port)
+        os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(direct_port + 15)
         worker_env |= {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
     import ray
     from ray import serve
@@ -88,6 +113,7 @@ def start_app(
         model=model,
         vocab_size=len(AutoTokenizer.from_pretrained(ensure_model(model))),
         temp_dir=temp_dir,
+        direct_url=f"http://127.0.0.1:{direct_port}" if direct_port else None,
     )
     app.replica_ids(num_replicas)
     return app

@@ -431,6 +431,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, help="a BenchConfig as JSON (see benchmarks/configs/)")
     parser.add_argument("--base-url", help="a running kvrelay app (default: start one here)")
     parser.add_argument("--sharegpt", type=Path, help="ShareGPT-style JSON instead of synthetic conversations")
+    parser.add_argument("--serve-mode", choices=["default", "throughput_optimized"], default="throughput_optimized",
+                        help="Ray Serve's request path when starting the app here (as `make serve` runs it)")
     parser.add_argument("--policies", help="comma-separated subset of " + ",".join(POLICIES))
     args = parser.parse_args()
     config = load_config(args)
@@ -450,8 +452,9 @@ def main() -> None:
     started = time.time()
     if base_url is None:
         print(f"starting kvrelay: {model} on {config.num_replicas} replicas", flush=True)
-        app = start_app(model, config.num_replicas, config.pool, **config.engine)
-        base_url = app.base_url
+        app = start_app(model, config.num_replicas, config.pool,
+                        throughput_optimized=args.serve_mode == "throughput_optimized", **config.engine)
+        base_url = app.direct_url or app.base_url
         print("cost model after start-up calibration:", json.dumps(app.ingress.calibrated.remote().result()),
               flush=True)
     try:
@@ -467,6 +470,7 @@ def main() -> None:
         "cost_model": ingress_stats and ingress_stats["cost_model"],
         "planner_counters": ingress_stats and ingress_stats["counters"],
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "serve_mode": args.serve_mode if app is not None else None,
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(time.time() - started, 1),
         "requests": [r.model_dump() for r in records],

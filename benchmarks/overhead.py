@@ -1,13 +1,15 @@
 """What the ingress adds on top of calling an engine replica directly: per request, and per streamed chunk,
 beside Ray Serve's own floor on this machine (a no-op app over HTTP) measured in the same run.
 
-    python -m benchmarks.overhead --out benchmarks/results/overhead.json [--requests 60] [--model NAME]
+    python -m benchmarks.overhead --out benchmarks/results/overhead.json [--serve-mode default] [--requests 60]
 
 Each sample pairs, back to back and in alternating order, the same short completion sent (a) over HTTP
-through the proxy, the ingress, its planner and the engine, and (b) straight to the replica the plan chose,
-through a Serve handle. The prompt is a prefix-cache hit on every replica after warm-up, so both paths do the
-same engine work; the paired difference is the ingress's cost. `plan_ms_p50` is how long the ingress's
-planning took per turn (its own clock, from /kvrelay/stats).
+(through Serve's proxy; with `--serve-mode throughput_optimized`, as `make serve` runs it, straight to the
+ingress replica's own port) through the ingress, its planner and the engine, and (b) straight to the replica
+the plan chose, through a Serve handle. The prompt is a prefix-cache hit on every replica after warm-up, so
+both paths do the same engine work; the paired difference is the ingress's cost. `plan_ms_p50` is how long
+the ingress's planning took per turn (its own clock, from /kvrelay/stats). The no-op floor takes the same
+path as (a).
 """
 
 from __future__ import annotations
@@ -69,6 +71,21 @@ async def serve_noop_ms(base_url: str, requests: int) -> list[float]:
     return samples
 
 
+def noop_url(app) -> str:
+    """Where the no-op app answers on the same request path as the ingress: through the proxy, or (in the
+    throughput-optimized mode) on its own replica's port, the one after the ingress's."""
+    if app.direct_url is None:
+        return app.base_url
+    host, port = app.direct_url.rsplit(":", 1)
+    for candidate in range(int(port) + 1, int(port) + 16):
+        try:
+            if httpx.get(f"{host}:{candidate}/noop", timeout=2).status_code == 200:
+                return f"{host}:{candidate}"
+        except httpx.HTTPError:
+            continue
+    raise RuntimeError("the no-op app's direct-ingress port did not answer")
+
+
 def deploy_noop() -> None:
     from ray import serve
 
@@ -80,12 +97,12 @@ def deploy_noop() -> None:
     serve.run(Noop.bind(), name="noop", route_prefix="/noop")
 
 
-async def run(app, requests: int, stream_tokens: int, policy: str) -> dict:
+async def run(app, requests: int, stream_tokens: int, policy: str, noop_url: str) -> dict:
     # The direct path leaves a hold exactly when the ingress's policy does, so both do the same engine work.
     holds = Policy(policy).pulls
     prompt = list(range(100, 164))
     headers = {"x-kvrelay-policy": policy}
-    async with httpx.AsyncClient(base_url=app.base_url, timeout=120, headers=headers) as client:
+    async with httpx.AsyncClient(base_url=app.direct_url or app.base_url, timeout=120, headers=headers) as client:
         _, _, replica = await via_http(client, app.model, prompt, 2, False)
         for _ in range(5):  # warm both paths and the prefix cache of the chosen replica
             await direct(app.engines, prompt, 2, replica, holds)
@@ -107,7 +124,7 @@ async def run(app, requests: int, stream_tokens: int, policy: str) -> dict:
             # coalesces items that are ready together), so compare how long the rest of the stream took.
             chunk_added.append(((h_arrivals[-1] - h_arrivals[0]) - (d_arrivals[-1] - d_arrivals[0]))
                                * 1e3 / (stream_tokens - 1))
-    noop = await serve_noop_ms(app.base_url, requests)
+    noop = await serve_noop_ms(noop_url, requests)
     plan = (await app.ingress.stats.remote())["plan_ms"]
     return {
         "serve_noop_http_ms_p50": round(pct(noop, 0.5), 3),
@@ -130,14 +147,15 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=32)
     parser.add_argument("--model", default=None)
     parser.add_argument("--policy", default="kvrelay", help="placement policy the ingress runs (x-kvrelay-policy)")
-    parser.add_argument("--serve-mode", choices=["default", "throughput_optimized"], default="default",
-                        help="Ray Serve's request path (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
+    parser.add_argument("--serve-mode", choices=["default", "throughput_optimized"],
+                        default="throughput_optimized",
+                        help="Ray Serve's request path (RAY_SERVE_THROUGHPUT_OPTIMIZED, as `make serve` runs it)")
     args = parser.parse_args()
     app = start_app(model=args.model, max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2,
                     throughput_optimized=args.serve_mode == "throughput_optimized")
     try:
         deploy_noop()
-        figures = asyncio.run(run(app, args.requests, args.stream_tokens, args.policy))
+        figures = asyncio.run(run(app, args.requests, args.stream_tokens, args.policy, noop_url(app)))
     finally:
         stop_app(app)
     figures["model"] = app.model

@@ -78,8 +78,9 @@ def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
             m.start()
         await until(lambda: all(m.epoch is not None for m in mirrors), timeout_s=30)
         # One ingress records its turn's hold; it sees it at once, the other through the feed.
-        await mirrors[0].record_hold("r1", conv, params, time.time() + 3600, 12)
-        assert mirrors[0].lookup(conv).get("r1").hold is not None
+        recorded = mirrors[0].record_hold("r1", conv, params, time.time() + 3600, 12)
+        assert mirrors[0].lookup(conv).get("r1").hold is not None  # before the actor has answered
+        await recorded
         await until(lambda: mirrors[1].lookup(conv).get("r1") is not None)
         offers = [m.lookup(conv).get("r1").hold for m in mirrors]
         got = await asyncio.gather(*(m.consume_hold(o.hold_id) for m, o in zip(mirrors, offers, strict=True)))
@@ -87,6 +88,25 @@ def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
         assert next(g for g in got if g is not None) == params
         # Both copies forget it: neither offers it again.
         await until(lambda: all(m.lookup(conv).get("r1") is None for m in mirrors))
+
+    asyncio.run(scenario())
+
+
+def test_a_hold_taken_before_the_directory_answered_is_still_handed_out_once(directory: Any) -> None:
+    conv = key(range(20))
+    params = hold_params(20)
+
+    async def scenario() -> None:
+        mirror = DirectoryMirror(directory, BS)
+        mirror.start()
+        await until(lambda: mirror.epoch is not None, timeout_s=30)
+        # The next turn may plan a pull before the actor has recorded the hold: taking it waits for that answer.
+        mirror.record_hold("r1", conv, params, time.time() + 3600, 20)
+        offer = mirror.lookup(conv).get("r1").hold
+        assert await mirror.consume_hold(offer.hold_id) == params
+        assert await mirror.consume_hold(offer.hold_id) is None
+        at_actor = (await directory.lookup.remote(conv)).get("r1")
+        assert at_actor is None or at_actor.hold is None  # the actor handed it out, once
 
     asyncio.run(scenario())
 

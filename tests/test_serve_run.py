@@ -1,4 +1,6 @@
-"""`serve run serve_config.yaml` as a user runs it: the real default model on two replicas, on 127.0.0.1:8000."""
+"""`serve run serve_config.yaml` as `make serve` runs it: the real default model on two replicas, answering on
+the ingress replica's own port 127.0.0.1:8001 (Ray Serve's throughput-optimized mode) and through Serve's proxy
+on 127.0.0.1:8000."""
 
 from __future__ import annotations
 
@@ -14,14 +16,21 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-BASE = "http://127.0.0.1:8000"
+BASE = "http://127.0.0.1:8001"
+PROXY = "http://127.0.0.1:8000"
+
+
+def make_serve_env() -> dict[str, str]:
+    """The variables `make serve` sets for `serve run` (SERVE_ENV in the Makefile)."""
+    line = (REPO_ROOT / "Makefile").read_text().split("SERVE_ENV :=", 1)[1].split("\n\n", 1)[0]
+    return dict(item.split("=", 1) for item in line.replace("\\", " ").split())
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve_run") / "serve_run.log"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **make_serve_env())
     serve_bin = Path(sys.executable).parent / "serve"
     with open(log, "wb") as out:
         # A new session so SIGTERM reaches serve and the Ray cluster it started; `--address local` keeps it
@@ -58,3 +67,21 @@ def test_serve_run_serves_the_default_model(served):
     reply = httpx.post(f"{BASE}/v1/chat/completions", json=body, timeout=120).json()
     assert "Paris" in reply["choices"][0]["message"]["content"]
     assert httpx.get(f"{BASE}/health", timeout=30).json()["replicas"] == 2
+    # Both replicas reached the directory and the ingress's mirror of it through their heartbeats.
+    assert httpx.get(f"{PROXY}/health", timeout=30).json()["replicas"] == 2
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local IPv4 addresses with a listening TCP socket on `port` (from /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:
+            found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_serve_run_listens_on_loopback_only(served):
+    assert listening_addresses(8001) == {"127.0.0.1"}
+    assert listening_addresses(8000) == {"127.0.0.1"}
