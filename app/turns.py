@@ -222,6 +222,9 @@ class TurnRunner:
         if outcome.pull_failed:
             async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
                 yield delta, outcome
+        elif force is None and outcome.ttft_ms is not None and (params is not None or plan.mode is not Mode.PULL):
+            # The turn ran as planned: teach the planner how far off its estimate was.
+            self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
 
     async def _run_disaggregated(
         self, turn: Turn, plan: Plan, params: dict[str, Any] | None, outcome: TurnOutcome, started: float,

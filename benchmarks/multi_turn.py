@@ -104,6 +104,8 @@ class RequestRecord(BaseModel):
     reused_tokens: int = 0
     mode: str | None = None
     replica: str | None = None
+    # The planner's estimate of this turn's time to first token (the option it ran; kvrelay's own cost model).
+    estimate_ms: float | None = None
 
 
 # ------------------------------------------------------------------------------------------------ workload
@@ -195,6 +197,7 @@ async def one_turn(http: httpx.AsyncClient, model: str, policy: str, conv: Conve
                     record.mode = chunk["kvrelay"]["mode"]
                     record.replica = chunk["kvrelay"]["replica"]
                     record.reused_tokens = chunk["kvrelay"]["reused_tokens"]
+                    record.estimate_ms = chunk["kvrelay"]["estimates_ms"].get(record.mode)
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         record.error = repr(exc)[:300]
         return record, ""
@@ -307,6 +310,10 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         # Requests per replica, busiest first: how evenly the policy spread the load.
         "requests_per_replica": sorted(placement.values(), reverse=True),
         "ttft_ms_p50_by_turn": {str(t): percentile(v, 0.5) for t, v in sorted(by_turn.items())},
+        # Measured over estimated TTFT of the option run, per mode (the estimate is the mode's best option).
+        "measured_over_estimate_p50": {
+            m: percentile([r.ttft_ms / r.estimate_ms for r in ok if r.mode == m and r.estimate_ms], 0.5)
+            for m in sorted(modes) if any(r.mode == m and r.estimate_ms for r in ok)},
         "wall_s": round(wall_s, 1),
     }
 

@@ -105,11 +105,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and a shorter idle wait")
+    parser.add_argument("--serve-mode", choices=["default", "throughput_optimized"], default="throughput_optimized",
+                        help="Ray Serve's request path (as `make serve` runs it by default)")
     parser.add_argument("--separate-worker", action="store_true", help="vLLM's stock CPU layout, for comparison")
     args = parser.parse_args()
     rounds, idle_wait_s, window_s = (2, 15, 5) if args.quick else (5, 60, 10)
 
-    app = start_app(separate_worker_process=args.separate_worker)
+    app = start_app(separate_worker_process=args.separate_worker,
+                    throughput_optimized=args.serve_mode == "throughput_optimized")
     try:
         from ray import serve
 
@@ -139,6 +142,7 @@ def main() -> None:
             }
             return {
                 "layout": "separate worker process (vLLM stock)" if args.separate_worker else "model in engine core",
+                "serve_mode": args.serve_mode,
                 "load": {"concurrency": CONCURRENCY, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                          "rounds": rounds},
                 "throughput_1_tok_s": round(one_tok_s, 1),

@@ -9,6 +9,11 @@ Both are linear models fitted online by least squares over the most recent obser
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
 had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1).
 
+On top of the fits, the planner's own error: measured over estimated time to first token per kind of option
+(mode, and whether other engines on the node were busy), from the turns it ran; once a kind has enough samples
+its estimates are scaled by the median ratio (`EstimateError`), so whatever the fits miss (queueing, Serve's
+hops, contention they model too simply) is charged to the options that suffer it.
+
 Seeded by a short measurement when the app starts, refitted after every observed turn, visible in
 `snapshot()`. No fixed token threshold appears anywhere: the crossover falls where these two meet.
 Not thread-safe; the ingress calls it from one event loop.
@@ -57,6 +62,38 @@ class OnlineLinearFit:
         return {n: float(c) for n, c in zip(self.names, self.coef, strict=True)} | {"samples": len(self.samples)}
 
 
+class EstimateError:
+    """Measured / estimated time to first token per kind of option, over a sliding window (mutates on observe)."""
+
+    MIN_SAMPLES = 8
+    LIMITS = (0.5, 4.0)  # a correction outside these says the fits are broken, not that they need scaling
+
+    def __init__(self, window: int = 64) -> None:
+        self.window = window
+        self._ratios: dict[str, deque[float]] = {}
+
+    @staticmethod
+    def kind(mode: str, busy_peers: int) -> str:
+        return f"{mode}_busy_node" if busy_peers > 0 else mode
+
+    def observe(self, mode: str, busy_peers: int, estimate_ms: float, measured_ms: float) -> None:
+        if estimate_ms > 0 and measured_ms > 0:
+            kind = self.kind(mode, busy_peers)
+            self._ratios.setdefault(kind, deque(maxlen=self.window)).append(measured_ms / estimate_ms)
+
+    def factor(self, mode: str, busy_peers: int) -> float:
+        return self._factor(self._ratios.get(self.kind(mode, busy_peers), ()))
+
+    def _factor(self, ratios: Sequence[float]) -> float:
+        if len(ratios) < self.MIN_SAMPLES:
+            return 1.0
+        low, high = self.LIMITS
+        return min(high, max(low, float(np.median(ratios))))
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {k: {"factor": round(self._factor(v), 3), "samples": len(v)} for k, v in sorted(self._ratios.items())}
+
+
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:
     return (1.0, float(new_tokens), new_tokens * (context_tokens + new_tokens / 2) / 1e3)
 
@@ -87,6 +124,7 @@ class CostModel:
         self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
         self.contention = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), window)
+        self.error = EstimateError(window)
         self.decode_step_ms = 20.0
 
     # ---------------------------------------------------------------- estimates (pure)
@@ -147,4 +185,5 @@ class CostModel:
             "contention": self.contention.as_dict(),
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "decode_step_ms": self.decode_step_ms,
+            "estimate_error": self.error.as_dict(),
         }

@@ -78,6 +78,8 @@ class Option(NamedTuple):
     cached_tokens: int
     estimate_ms: float
     hold: HoldOffer | None = None
+    # The fits' estimate before the planner's measured error scaled it (what that error is learned against).
+    model_ms: float = 0.0
 
 
 class Plan(NamedTuple):
@@ -98,6 +100,8 @@ class Plan(NamedTuple):
     superseded: tuple[HoldOffer, ...] = ()
     # Busy engines beside the target on its node when planned (what its timings are measured under).
     busy_peers: int = 0
+    # The chosen option's estimate before correction by the planner's measured error.
+    model_ms: float = 0.0
 
 
 def _options(
@@ -122,16 +126,18 @@ def _options(
         mode = Mode.LOCAL if cached > 0 else Mode.RECOMPUTE
         # A local turn supersedes the target's own hold of this history: the runner releases it after.
         own_hold = match.hold if match is not None and mode is Mode.LOCAL else None
-        options.append(Option(mode, replica.replica_id, None, cached, cached, queue + compute, own_hold))
+        ms = queue + compute
+        options.append(Option(mode, replica.replica_id, None, cached, cached,
+                              ms * cost.error.factor(mode, replica.busy_peers), own_hold, ms))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
                 continue
             transfer = cost.pull_ms(reused - cached)
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers)
-            options.append(
-                Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached, queue + transfer + rest, hold)
-            )
+            ms = queue + transfer + rest
+            options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
+                                  ms * cost.error.factor(Mode.PULL, replica.busy_peers), hold, ms))
     return options
 
 
@@ -197,6 +203,7 @@ def plan_turn(
             if m.hold is not None and not (chosen.mode is Mode.PULL and m.hold.hold_id == chosen.hold.hold_id)
         ),
         busy_peers=next(r.busy_peers for r in replicas if r.replica_id == chosen.replica_id),
+        model_ms=round(chosen.model_ms, 2),
     )
 
 

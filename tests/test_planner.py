@@ -201,3 +201,20 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     inflight.started("a", "r2", 40)  # sent after the heartbeat: not in it, known here
     view = inflight.view(beat)
     assert (view.running, view.prefill_tokens) == (1, 40)
+
+
+def test_the_planner_corrects_for_its_own_measured_error():
+    cost = calibrated(prefill_ms_per_token=0.3)
+    # A new 1000-token conversation: "a" is busy decoding, "b" idle beside it (so b's engine has a busy peer).
+    replicas = [ReplicaView("a", running=2, decode_tok_s=50.0), ReplicaView("b", busy_peers=1)]
+    first = plan_turn(1000, lookup(1000), replicas, cost)
+    assert first.replica_id == "b"  # by the fits alone the idle replica looks faster
+    assert first.model_ms == first.estimate_ms  # nothing measured yet: no correction
+    # Turns run beside a busy engine keep taking twice their estimate; turns alone on the node as estimated.
+    for _ in range(cost.error.MIN_SAMPLES):
+        cost.error.observe(Mode.RECOMPUTE, 1, 100.0, 200.0)
+        cost.error.observe(Mode.RECOMPUTE, 0, 100.0, 100.0)
+    corrected = plan_turn(1000, lookup(1000), replicas, cost)
+    assert corrected.replica_id == "a"
+    assert corrected.estimates_ms["recompute"] == pytest.approx(corrected.model_ms)
+    assert cost.snapshot()["estimate_error"]["recompute_busy_node"] == {"factor": 2.0, "samples": 8}
