@@ -105,7 +105,8 @@ def start_app(
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
     config: dict[str, Any] = {"name": "bench",
-                              "pool": dict(pool or {}, num_replicas=num_replicas, engine=dict(engine, model=model))}
+                              "pool": dict(pool or {}, num_replicas=num_replicas,
+                                           engine=dict(engine, **(pool or {}).get("engine", {}), model=model))}
     if decode_pool is not None:
         decode_engine = dict(engine, **decode_pool.get("engine", {}), model=model)
         config |= {"topology": "disaggregated", "decode_pool": dict(decode_pool, engine=decode_engine)}

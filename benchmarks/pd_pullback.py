@@ -44,8 +44,9 @@ def run_app_modes(prefill_cache: bool, config: BenchConfig, throughput_optimized
 
     model = config.model or DEFAULT_MODEL
     conversations = synthetic_conversations(config, word_pool(AutoTokenizer.from_pretrained(ensure_model(model))))
-    app = start_app(model, 1, {"engine": {"enable_prefix_caching": prefill_cache}},
-                    throughput_optimized=throughput_optimized, decode_pool={"num_replicas": 1}, **ENGINE)
+    # The decode replica always caches prefixes (it holds the conversations); only the prefill side differs.
+    app = start_app(model, 1, throughput_optimized=throughput_optimized, enable_prefix_caching=prefill_cache,
+                    decode_pool={"num_replicas": 1, "engine": {"enable_prefix_caching": True}}, **ENGINE)
     try:
         policies = [policy for _, policy in MODES[prefill_cache]]
         summaries, _ = asyncio.run(benchmark(app.direct_url or app.base_url, model, conversations,
