@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 import uuid
@@ -161,6 +162,9 @@ def main() -> None:
     figures["model"] = app.model
     figures["policy"] = args.policy
     figures["serve_mode"] = args.serve_mode
+    # Throughput-optimized mode talks gRPC between deployments unless RAY_SERVE_USE_GRPC_BY_DEFAULT=0.
+    grpc_default = "1" if args.serve_mode == "throughput_optimized" else "0"
+    figures["grpc_between_deployments"] = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT", grpc_default) == "1"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")
     print(json.dumps(figures, indent=2))
