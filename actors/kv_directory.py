@@ -1,9 +1,9 @@
 """The KV directory: an exact, bounded, fast record of which engine replica holds which prefix's KV.
 
 `KVDirectory` is the synchronous core (pure Python, single-threaded, injectable clock). `KVDirectoryActor`
-is the async Ray actor that owns one, and `get_or_create_directory` finds or starts that named actor. The
-turn planner asks it, per turn, who can serve the history's KV: as a local prefix-cache hit (`"resident"`)
-or as an exported hold that another replica can pull over NIXL (`"hold"`).
+is the async Ray actor that owns one (`app/builder.py` deploys it). The turn planner asks a copy of it, per
+turn, who can serve the history's KV: as a local prefix-cache hit (`"resident"`) or as an exported hold that
+another replica can pull over NIXL (`"hold"`).
 
 The directory is a hint that is safe to lose: a missing entry costs speed, never a wrong answer. Matched
 counts are exact for what it was told (full blocks by 128-bit chained hash, a hold's partial last block
@@ -22,8 +22,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
-import msgpack
-
 from actors.directory_changes import ChangeLog, Changes, Snapshot
 from actors.prefix_hash import HASH_BYTES, TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from actors.replica_api import ReplicaIdentity, ReplicaStats
@@ -38,15 +36,11 @@ _tuple_new = tuple.__new__
 
 HoldingKind = Literal["hold", "resident"]
 
-DEFAULT_NAME = "kvrelay-kv-directory"
-DEFAULT_NAMESPACE = "kvrelay"
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_ENTRIES = 2_000_000
 DEFAULT_MAX_BYTES = 512 * 1024**2
 # vLLM's puller declines a read within 5 s of the holder's deadline; leave room for routing and queueing.
 DEFAULT_EXPIRY_MARGIN_S = 10.0
-# vLLM's default `decoder_kv_blocks_ttl`: how long a decode engine keeps an exported turn's blocks.
-DEFAULT_HOLD_TTL_S = 480.0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -92,26 +86,6 @@ class LookupResult(NamedTuple):
 
     def get(self, replica_id: str) -> ReplicaMatch | None:
         return next((m for m in self.matches if m.replica_id == replica_id), None)
-
-    def pack(self) -> bytes:
-        """msgpack bytes: Ray passes bytes through, where it would cloudpickle these NamedTuples."""
-        return msgpack.packb(
-            [
-                self.query_tokens,
-                [[m.replica_id, m.num_tokens, m.kind, m.cached_tokens, m.hold and list(m.hold)] for m in self.matches],
-            ]
-        )
-
-    @classmethod
-    def unpack(cls, blob: bytes) -> LookupResult:
-        query_tokens, matches = msgpack.unpackb(blob)
-        return cls(
-            query_tokens,
-            tuple(
-                ReplicaMatch(rid, num, kind, cached, HoldOffer(*hold) if hold is not None else None)
-                for rid, num, kind, cached, hold in matches
-            ),
-        )
 
 
 class RecordResult(NamedTuple):
@@ -171,27 +145,6 @@ class DirectoryStats(NamedTuple):
     max_entries: int
     max_bytes: int
     epoch: str
-
-
-def hold_expiry(
-    kv_transfer_params: dict[str, Any],
-    *,
-    wall_now: float | None = None,
-    perf_now: float | None = None,
-    default_ttl_s: float = DEFAULT_HOLD_TTL_S,
-) -> float:
-    """The wall-clock (`time.time()`) deadline of an exported hold, for `KVDirectory.record_hold`.
-
-    vLLM's `remote_blocks_expiry_time` is the holder engine's `time.perf_counter()` deadline (CLOCK_MONOTONIC
-    on Linux, shared by the processes of one host, meaningless on another), so call this on the holder's
-    host. Without the field, the deadline is `default_ttl_s` from now.
-    """
-    wall = time.time() if wall_now is None else wall_now
-    deadline = kv_transfer_params.get("remote_blocks_expiry_time")
-    if deadline is None:
-        return wall + default_ttl_s
-    perf = time.perf_counter() if perf_now is None else perf_now
-    return wall + (float(deadline) - perf)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -606,7 +559,7 @@ class KVDirectory:
         """Record that `replica_id` exported the KV of the first `num_tokens` tokens of `key`.
 
         `num_tokens` defaults to the params' `remote_num_tokens`, else the whole key. `expires_at` is in
-        this directory's clock (wall time by default; see `hold_expiry`). Holds without a full block are
+        this directory's clock (wall time by default). Holds without a full block are
         not kept: a pull would never beat recomputing them.
         """
         key = self._as_key(key, scope)
@@ -952,10 +905,6 @@ class KVDirectoryActor:
     async def lookup(self, query: PrefixKey | Sequence[int], scope: Scope | None = None) -> LookupResult:
         return self._directory.lookup(query, scope)
 
-    async def lookup_packed(self, key: bytes) -> bytes:
-        """`lookup` with a `PrefixKey.to_bytes()` key and a `LookupResult.pack()` result (see `remote_lookup`)."""
-        return self._directory.lookup(PrefixKey.from_bytes(key)).pack()
-
     async def record_hold(
         self,
         replica_id: str,
@@ -1017,49 +966,3 @@ class KVDirectoryActor:
 
     async def check_integrity(self) -> None:
         self._directory.check_integrity()
-
-
-_HOT_METHODS = ("lookup", "lookup_packed", "record_hold", "consume_hold", "apply_resident")
-
-
-async def remote_lookup(directory: Any, key: PrefixKey) -> LookupResult:
-    """`lookup` on a directory actor (or Serve handle), key and result as bytes: the per-turn path.
-
-    Ray sends bytes as they are but cloudpickles NamedTuples; on this project's 2-core machines that
-    saves about 0.4 ms of a 1.7 ms call.
-    """
-    return LookupResult.unpack(await directory.lookup_packed.remote(key.to_bytes()))
-
-
-def get_or_create_directory(
-    name: str = DEFAULT_NAME,
-    namespace: str = DEFAULT_NAMESPACE,
-    *,
-    detached: bool = False,
-    num_cpus: float = 0.01,
-    **directory_kwargs: Any,
-) -> Any:
-    """The named directory actor, started if missing (race-free: `get_if_exists`).
-
-    `directory_kwargs` (block_size, max_entries, max_bytes, expiry_margin_s) apply only when this call
-    creates it. `detached=True` keeps it alive after the creating job ends. Calls in flight when the actor
-    dies fail with RayActorError (no retries: a replayed `record_hold` could offer a consumed hold twice);
-    later calls reach the restarted, empty actor.
-    """
-    import ray
-
-    # Task events feed Ray's dashboard and state API; on the per-turn path they cost about a fifth of a
-    # call's latency here, so the directory's hot methods go without.
-    for method in _HOT_METHODS:
-        ray.method(enable_task_events=False)(getattr(KVDirectoryActor, method))
-    options: dict[str, Any] = {
-        "name": name,
-        "namespace": namespace,
-        "get_if_exists": True,
-        "max_restarts": -1,
-        "max_task_retries": 0,
-        "num_cpus": num_cpus,
-    }
-    if detached:
-        options["lifetime"] = "detached"
-    return ray.remote(KVDirectoryActor).options(**options).remote(**directory_kwargs)

@@ -9,7 +9,6 @@ directory can compute them independently and compare.
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from array import array
 from collections.abc import Iterable
@@ -28,9 +27,6 @@ if array("I").itemsize != TOKEN_BYTES:  # pragma: no cover - exotic platforms on
     raise ImportError("prefix_hash needs a 4-byte array('I'); this platform's is different")
 
 BlockHash = bytes
-
-# to_bytes header: block size, model and tenant name lengths, token count.
-_HEADER = struct.Struct("<IIII")
 
 
 class Scope(NamedTuple):
@@ -152,26 +148,6 @@ class PrefixKey(NamedTuple):
             self.tokens[: num_tokens * TOKEN_BYTES],
             self.hashes[: full * HASH_BYTES],
         )
-
-    def to_bytes(self) -> bytes:
-        """One self-describing byte string; Ray passes bytes through without serializing them."""
-        model, tenant = self.scope.model.encode(), self.scope.tenant.encode()
-        header = _HEADER.pack(self.block_size, len(model), len(tenant), self.num_tokens)
-        return b"".join((header, model, tenant, self.tokens, self.hashes))
-
-    @classmethod
-    def from_bytes(cls, blob: bytes) -> PrefixKey:
-        block_size, model_len, tenant_len, num_tokens = _HEADER.unpack_from(blob)
-        at = _HEADER.size
-        model = blob[at : at + model_len].decode()
-        at += model_len
-        tenant = blob[at : at + tenant_len].decode()
-        at += tenant_len
-        tokens = blob[at : at + num_tokens * TOKEN_BYTES]
-        hashes = blob[at + num_tokens * TOKEN_BYTES :]
-        if len(tokens) != num_tokens * TOKEN_BYTES or len(hashes) != num_tokens // block_size * HASH_BYTES:
-            raise ValueError("not a PrefixKey.to_bytes() blob: the lengths do not add up")
-        return cls(Scope(model, tenant), block_size, tokens, hashes)
 
     def check(self) -> None:
         """Raise if the hashes do not belong to the tokens (for tests and untrusted input; rehashes all)."""

@@ -86,15 +86,26 @@ def ray_cluster() -> Iterator[Any]:
 DIRECTORY_BLOCK_SIZE = 4
 
 
+def start_directory_actor(name: str, block_size: int = DIRECTORY_BLOCK_SIZE) -> Any:
+    """A named KV directory actor as a plain Ray actor (the app deploys it with Serve instead).
+
+    Ray restarts it, empty, if it dies; calls in flight then fail (no task retries: a replayed `record_hold`
+    could offer a consumed hold twice) and later calls reach the restarted actor.
+    """
+    import ray
+
+    from actors.kv_directory import KVDirectoryActor
+
+    options = {"name": name, "namespace": "kvrelay-test", "max_restarts": -1, "max_task_retries": 0, "num_cpus": 0.01}
+    return ray.remote(KVDirectoryActor).options(**options).remote(block_size=block_size)
+
+
 @pytest.fixture
 def directory(ray_cluster: Any) -> Any:
     """A fresh KV directory actor per test (named uniquely), killed at the end."""
     import uuid
 
-    from actors.kv_directory import get_or_create_directory
-
-    handle = get_or_create_directory(name=f"kvd-{uuid.uuid4().hex[:8]}", namespace="kvrelay-test",
-                                     block_size=DIRECTORY_BLOCK_SIZE)
+    handle = start_directory_actor(f"kvd-{uuid.uuid4().hex[:8]}")
     yield handle
     ray_cluster.kill(handle, no_restart=True)
 

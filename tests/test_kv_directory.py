@@ -30,7 +30,6 @@ from actors.kv_directory import (
     ResidentOp,
     ResidentResult,
     StoreResident,
-    hold_expiry,
 )
 from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
@@ -183,24 +182,6 @@ def test_drop_replica_removes_everything_of_it(directory: KVDirectory) -> None:
     assert [m.replica_id for m in result.matches] == ["r2"]
     assert directory.drop_replica("r1") == 0
     directory.check_integrity()
-
-
-def test_key_and_result_survive_their_byte_forms(directory: KVDirectory) -> None:
-    key = directory.key(range(10), A)
-    directory.record_hold("r1", key, params(1), expires_at=2000.0)
-    directory.apply_resident("r2", [StoreResident(None, key.block_hashes[:1])])
-    result = directory.lookup(key.extend([3]))
-    assert len(result.matches) == 2
-    assert LookupResult.unpack(result.pack()) == result
-    assert PrefixKey.from_bytes(key.to_bytes()) == key
-    with pytest.raises(ValueError, match="lengths"):
-        PrefixKey.from_bytes(key.to_bytes()[:-1])
-
-
-def test_hold_expiry_converts_vllm_perf_counter_deadline() -> None:
-    p = {"remote_blocks_expiry_time": 1_480.0}
-    assert hold_expiry(p, wall_now=1e9, perf_now=1_000.0) == pytest.approx(1e9 + 480.0)
-    assert hold_expiry({}, wall_now=1e9, default_ttl_s=30) == pytest.approx(1e9 + 30)
 
 
 # ---------------------------------------------------------------------------------------------------------

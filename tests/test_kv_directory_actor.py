@@ -1,10 +1,9 @@
-"""The KV directory as a Ray actor: named and shared, concurrent callers, single-use holds, restart."""
+"""The KV directory as a Ray actor: concurrent callers, single-use holds, restart."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -14,8 +13,6 @@ from actors.kv_directory import (
     LookupResult,
     ResidentResult,
     StoreResident,
-    get_or_create_directory,
-    remote_lookup,
 )
 from actors.prefix_hash import PrefixKey, Scope
 from tests.conftest import DIRECTORY_BLOCK_SIZE
@@ -55,28 +52,16 @@ def test_record_lookup_consume_through_ray(directory: Any) -> None:
         assert isinstance(result, LookupResult)
         best = result.best()
         assert best is not None and best.kind == "hold" and best.num_tokens == 10
-        # Raw token ids work too (the actor hashes them), and the bytes path returns the same result.
+        # Raw token ids work too (the actor hashes them).
         raw = await directory.lookup.remote(list(range(10)), SCOPE)
         assert raw.best() == best
-        assert await remote_lookup(directory, history.extend([1, 2, 3])) == result
         assert await directory.consume_hold.remote(rec.hold_id) == {"remote_engine_id": "e1"}
         assert await directory.consume_hold.remote(rec.hold_id) is None
         stats = await directory.stats.remote()
-        assert isinstance(stats, DirectoryStats) and stats.holds == 0 and stats.lookups == 3
+        assert isinstance(stats, DirectoryStats) and stats.holds == 0 and stats.lookups == 2
         await directory.check_integrity.remote()
 
     asyncio.run(scenario())
-
-
-def test_get_or_create_finds_the_same_named_actor(ray_cluster: Any) -> None:
-    name = f"kvd-{uuid.uuid4().hex[:8]}"
-    first = get_or_create_directory(name=name, namespace="kvrelay-test", block_size=BS)
-    second = get_or_create_directory(name=name, namespace="kvrelay-test", block_size=BS)
-    try:
-        assert first._actor_id == second._actor_id
-        assert ray_cluster.get(first.stats.remote()).epoch == ray_cluster.get(second.stats.remote()).epoch
-    finally:
-        ray_cluster.kill(first, no_restart=True)
 
 
 def test_many_concurrent_callers(directory: Any) -> None:
@@ -90,7 +75,7 @@ def test_many_concurrent_callers(directory: Any) -> None:
             calls.append(directory.lookup.remote(conv.extend([7])))
             calls.append(directory.apply_resident.remote(f"r{(c + 1) % 4}", [StoreResident(None, conv.block_hashes)]))
         await asyncio.gather(*calls)
-        results = await asyncio.gather(*(remote_lookup(directory, conv.extend([7])) for conv in conversations))
+        results = await asyncio.gather(*(directory.lookup.remote(conv.extend([7])) for conv in conversations))
         for c, result in enumerate(results):
             by_replica = {m.replica_id: m for m in result.matches}
             assert by_replica[f"r{c % 4}"].kind == "hold" and by_replica[f"r{c % 4}"].num_tokens == 24
