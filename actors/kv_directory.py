@@ -20,12 +20,13 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from actors.directory_changes import ChangeLog, Changes, Snapshot
 from actors.prefix_hash import HASH_BYTES, TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
+from kvtransfer.types import HoldingKind, HoldOffer, LookupResult, ReplicaMatch
 
 H = HASH_BYTES  # a key's block hashes are packed: block d (1-based depth) is hashes[(d - 1) * H : d * H]
 
@@ -33,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 # NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.
 _tuple_new = tuple.__new__
-
-HoldingKind = Literal["hold", "resident"]
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_ENTRIES = 2_000_000
@@ -45,47 +44,6 @@ DEFAULT_EXPIRY_MARGIN_S = 10.0
 
 # ---------------------------------------------------------------------------------------------------------
 # Results
-
-
-class HoldOffer(NamedTuple):
-    """An unexpired exported hold whose every token is a prefix of the query: pullable over NIXL.
-
-    In-process, `kv_transfer_params` is the directory's own dict: read it, copy it before changing it.
-    """
-
-    hold_id: int
-    replica_id: str
-    num_tokens: int
-    expires_at: float
-    kv_transfer_params: dict[str, Any]
-
-
-class ReplicaMatch(NamedTuple):
-    """What one replica holds of a query.
-
-    `num_tokens` is the longest prefix of the query this replica holds. `cached_tokens` is the full-block
-    part of it that sits in the replica's prefix cache (reported by KV events, or pinned by its holds);
-    `hold` is the longest pullable hold. `kind` is `"hold"` when the hold reaches `num_tokens`.
-    """
-
-    replica_id: str
-    num_tokens: int
-    kind: HoldingKind
-    cached_tokens: int
-    hold: HoldOffer | None
-
-
-class LookupResult(NamedTuple):
-    """Per replica what it holds of the query, longest first; replicas holding nothing are left out."""
-
-    query_tokens: int
-    matches: tuple[ReplicaMatch, ...]
-
-    def best(self) -> ReplicaMatch | None:
-        return self.matches[0] if self.matches else None
-
-    def get(self, replica_id: str) -> ReplicaMatch | None:
-        return next((m for m in self.matches if m.replica_id == replica_id), None)
 
 
 class RecordResult(NamedTuple):

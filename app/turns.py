@@ -19,12 +19,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from actors.directory_mirror import DirectoryMirror
-from actors.kv_directory import HoldOffer
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats, Sampling
 from kvtransfer.connector import held_tokens, is_hold, is_load_failure, pull_params
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan, Policy, ReplicaView, plan_turn
+from kvtransfer.types import HoldOffer
 
 logger = logging.getLogger(__name__)
 

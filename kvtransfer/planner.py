@@ -15,8 +15,8 @@ from collections.abc import Collection, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
-from actors.kv_directory import HoldOffer, LookupResult
 from kvtransfer.cost_model import CostModel, LoadView
+from kvtransfer.types import HoldOffer, LookupResult
 
 logger = logging.getLogger(__name__)
 

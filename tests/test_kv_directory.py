@@ -25,7 +25,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from actors.kv_directory import (
     ClearResident,
     KVDirectory,
-    LookupResult,
     RemoveResident,
     ResidentOp,
     ResidentResult,
@@ -33,6 +32,7 @@ from actors.kv_directory import (
 )
 from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
+from kvtransfer.types import LookupResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 A, B = Scope("m", "tenant-a"), Scope("m", "tenant-b")

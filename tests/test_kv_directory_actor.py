@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 from actors.kv_directory import (
     ClearResident,
     DirectoryStats,
-    LookupResult,
     ResidentResult,
     StoreResident,
 )
 from actors.prefix_hash import PrefixKey, Scope
+from kvtransfer.types import LookupResult
 from tests.conftest import DIRECTORY_BLOCK_SIZE
 
 T = TypeVar("T")

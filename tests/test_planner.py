@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from actors.kv_directory import HoldOffer, LookupResult, ReplicaMatch
 from app.turns import preferred_replica
 from kvtransfer.connector import is_hold, pull_params, release_params
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, Policy, ReplicaView, plan_turn
+from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "head_dim": 64}
