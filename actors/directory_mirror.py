@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any
 
 from actors.directory_changes import Changes
-from actors.kv_directory import KVDirectory
+from actors.kv_directory.index import KVDirectory
 from actors.prefix_hash import PrefixKey
 from actors.replica_api import ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from actors.kv_directory import KVDirectory, KVDirectoryActor
+from actors.kv_directory.actor import KVDirectoryActor
+from actors.kv_directory.index import KVDirectory
 from actors.prefix_hash import PrefixKey, Scope
 
 SCOPE = Scope("bench-model", "bench-tenant")

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from actors.directory_mirror import DirectoryMirror
-from actors.kv_directory import StoreResident
+from actors.kv_directory.results import StoreResident
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from tests.test_kv_directory_actor import BS, key
 

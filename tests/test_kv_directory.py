@@ -22,14 +22,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from actors.kv_directory import (
-    ClearResident,
-    KVDirectory,
-    RemoveResident,
-    ResidentOp,
-    ResidentResult,
-    StoreResident,
-)
+from actors.kv_directory.index import KVDirectory
+from actors.kv_directory.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
 from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
 from kvtransfer.types import LookupResult

@@ -7,12 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from actors.kv_directory import (
-    ClearResident,
-    DirectoryStats,
-    ResidentResult,
-    StoreResident,
-)
+from actors.kv_directory.results import ClearResident, DirectoryStats, ResidentResult, StoreResident
 from actors.prefix_hash import PrefixKey, Scope
 from kvtransfer.types import LookupResult
 from tests.conftest import DIRECTORY_BLOCK_SIZE

@@ -1,0 +1,122 @@
+"""The KV directory as a Ray actor: the record of holdings and live replicas that every ingress's mirror follows."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+from actors.directory_changes import ChangeLog, Changes, Snapshot
+from actors.kv_directory.index import KVDirectory
+from actors.kv_directory.results import DirectoryStats, RecordResult, ResidentOp, ResidentResult
+from actors.prefix_hash import PrefixKey, Scope
+from actors.replica_api import ReplicaIdentity, ReplicaStats
+from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
+from kvtransfer.types import LookupResult
+
+logger = logging.getLogger(__name__)
+
+
+class KVDirectoryActor:
+    """Ray actor owning one `KVDirectory` and the live-replica registry: the record every mirror follows.
+
+    Methods are `async` and, but for `changes`, never await, so each runs atomically on the actor's event
+    loop; callers `await handle.method.remote(...)` and never block theirs. Every update is also appended to
+    a change feed (`actors/directory_changes.py`) that each ingress's mirror follows. After a crash the
+    actor comes back empty with a new epoch; event forwarders re-report their replicas' caches and mirrors
+    resync.
+    """
+
+    def __init__(self, dead_after_s: float = DEFAULT_DEAD_AFTER_S, **directory_kwargs: Any) -> None:
+        self._directory = KVDirectory(**directory_kwargs)
+        self._replicas = ReplicaRegistry(dead_after_s)
+        self._log = ChangeLog()
+        self._snapshot: Snapshot | None = None
+
+    # ----- live replicas (heartbeats)
+
+    async def heartbeat(self, identity: ReplicaIdentity, stats: ReplicaStats) -> bool:
+        """A replica's periodic report of its identity and load; True when the replica was not registered
+        (first beat, or the directory restarted or dropped it): it should re-report what it holds."""
+        self._sweep()
+        self._log.append(("beat", identity, stats))
+        return self._replicas.heartbeat(identity, stats)
+
+    async def deregister(self, replica_id: str) -> None:
+        """A replica leaves (scale-down, shutdown, a failed pull from it): forget it and all it holds, at once."""
+        self._replicas.remove(replica_id)
+        self._directory.drop_replica(replica_id)
+        self._log.append(("leave", replica_id))
+
+    def _sweep(self) -> None:
+        for replica_id in self._replicas.sweep():
+            logger.warning("replica %s stopped reporting; dropping its directory entries", replica_id)
+            self._directory.drop_replica(replica_id)
+            self._log.append(("leave", replica_id))
+
+    async def replica_identities(self) -> list[ReplicaIdentity]:
+        self._sweep()
+        return self._replicas.identities()
+
+    # ----- holdings
+
+    async def lookup(self, query: PrefixKey | Sequence[int], scope: Scope | None = None) -> LookupResult:
+        return self._directory.lookup(query, scope)
+
+    async def record_hold(
+        self,
+        replica_id: str,
+        key: PrefixKey | Sequence[int],
+        kv_transfer_params: dict[str, Any],
+        expires_at: float,
+        num_tokens: int | None = None,
+        scope: Scope | None = None,
+    ) -> RecordResult:
+        result = self._directory.record_hold(
+            replica_id, key, kv_transfer_params, expires_at, num_tokens=num_tokens, scope=scope
+        )
+        if result.hold_id is not None:
+            key = self._directory._as_key(key, scope)
+            self._log.append(("hold", replica_id, key, kv_transfer_params, expires_at, num_tokens, result.hold_id))
+        return result
+
+    async def consume_hold(self, hold_id: int) -> dict[str, Any] | None:
+        params = self._directory.consume_hold(hold_id)
+        if params is not None:
+            self._log.append(("consume", hold_id))
+        return params
+
+    async def apply_resident(self, replica_id: str, ops: list[ResidentOp]) -> ResidentResult:
+        result = self._directory.apply_resident(replica_id, ops)
+        self._log.append(("resident", replica_id, ops))
+        return result
+
+    # ----- mirrors
+
+    async def changes(self, epoch: str | None, since: int, wait_s: float = 2.0) -> Changes:
+        """The updates after `since` (waiting up to `wait_s` for one), or, when `epoch` is not this directory's
+        or `since` fell out of the log, a snapshot to fetch with `snapshot_part` and the live replicas."""
+        if epoch != self._directory.epoch or not self._log.covers(since):
+            self._sweep()
+            seq = self._log.seq
+            if self._snapshot is None or self._snapshot.seq != seq or self._snapshot.epoch != self._directory.epoch:
+                self._snapshot = Snapshot.of(self._directory.epoch, seq, pickle.dumps(self._directory))
+            live = list(zip(self._replicas.identities(), self._replicas.live(), strict=True))
+            return Changes(self._directory.epoch, seq, [], len(self._snapshot.parts), live)
+        await self._log.wait(since, wait_s)
+        updates = self._log.after(since)
+        return Changes(self._directory.epoch, since + len(updates), updates)
+
+    async def snapshot_part(self, epoch: str, seq: int, index: int) -> bytes | None:
+        """Part `index` of the snapshot taken at (`epoch`, `seq`); None once a newer one replaced it."""
+        snap = self._snapshot
+        if snap is None or (snap.epoch, snap.seq) != (epoch, seq):
+            return None
+        return snap.parts[index]
+
+    async def stats(self) -> DirectoryStats:
+        return self._directory.stats()
+
+    async def check_integrity(self) -> None:
+        self._directory.check_integrity()

@@ -1,0 +1,140 @@
+"""The KV directory's prefix chains: one node per block hash, and per replica a reference count of why it holds it.
+
+`ChainIndex` owns the directory's state and the reference counting that keeps every replica's holdings closed
+under "parent of"; `HoldIndex` and `ResidentIndex` add the two reasons a replica holds a block, and
+`KVDirectory` (`index.py`) answers lookups over both.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from actors.kv_directory.records import NODE_BYTES, REF_BITS, REF_MASK, HoldRecord, Node, ReplicaRecord, Segment
+from actors.prefix_hash import HASH_BYTES, BlockHash, PrefixKey, Scope
+
+H = HASH_BYTES  # a key's block hashes are packed: block d (1-based depth) is hashes[(d - 1) * H : d * H]
+
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_MAX_ENTRIES = 2_000_000
+DEFAULT_MAX_BYTES = 512 * 1024**2
+# vLLM's puller declines a read within 5 s of the holder's deadline; leave room for routing and queueing.
+DEFAULT_EXPIRY_MARGIN_S = 10.0
+
+
+class ChainIndex:
+    """The directory's state: nodes, holds, cache segments, the LRU over both, replicas, counters.
+
+    Not thread-safe: one caller at a time. Two invariants hold between public calls: a node exists while some
+    replica holds it, and a replica that holds a node holds its parent.
+    """
+
+    def __init__(
+        self,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        expiry_margin_s: float = DEFAULT_EXPIRY_MARGIN_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_entries <= 0 or max_bytes <= 0:
+            raise ValueError(f"max_entries and max_bytes must be positive, got {max_entries}, {max_bytes}")
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.expiry_margin_s = expiry_margin_s
+        self.epoch = uuid.uuid4().hex
+        self._clock = clock
+        self._nodes: dict[BlockHash, Node] = {}
+        self._holds: dict[int, HoldRecord] = {}
+        self._lru: OrderedDict[int, HoldRecord | Segment] = OrderedDict()
+        self._expiry: list[tuple[float, int]] = []
+        self._replicas: dict[str, ReplicaRecord] = {}
+        self._by_index: dict[int, ReplicaRecord] = {}
+        self._next_chain_id = 1
+        self._bytes = 0
+        self._resident_blocks = 0
+        self._lookups = 0
+        self._lookup_hits = 0
+        self._hold_offers = 0
+        self._holds_consumed = 0
+        self._holds_expired = 0
+        self._chains_evicted = 0
+        self._resident_skipped = 0
+
+    # ----- keys and replicas
+
+    def key(self, token_ids: Iterable[int], scope: Scope | tuple[str, str]) -> PrefixKey:
+        """The PrefixKey of `token_ids` under `scope` with this directory's block size."""
+        return PrefixKey.build(token_ids, Scope(*scope), self.block_size)
+
+    def _as_key(self, query: PrefixKey | Sequence[int], scope: Scope | tuple[str, str] | None) -> PrefixKey:
+        if isinstance(query, PrefixKey):
+            if query.block_size != self.block_size:
+                raise ValueError(
+                    f"the key was hashed with block_size={query.block_size} but this directory uses "
+                    f"{self.block_size}; build keys with the engines' block size"
+                )
+            return query
+        if scope is None:
+            raise ValueError("raw token ids need a scope (model, tenant); or pass a PrefixKey")
+        return self.key(query, scope)
+
+    def _replica(self, replica_id: str) -> ReplicaRecord:
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            index = next(i for i in range(len(self._by_index) + 1) if i not in self._by_index)
+            rep = ReplicaRecord(replica_id, index)
+            self._replicas[replica_id] = rep
+            self._by_index[index] = rep
+        return rep
+
+    def _forget_if_empty(self, rep: ReplicaRecord) -> None:
+        if self._replicas.get(rep.replica_id) is rep and not (rep.holds or rep.resident or rep.segments):
+            del self._replicas[rep.replica_id]
+            del self._by_index[rep.index]
+
+    # ----- reference counting on the node chains
+
+    def _new_node(self, key: BlockHash, parent: BlockHash | None) -> Node:
+        node = Node(parent)
+        self._nodes[key] = node
+        self._bytes += NODE_BYTES
+        return node
+
+    def _release(self, key: BlockHash | None, rep: ReplicaRecord, resident: bool) -> None:
+        """Drop one direct reference of `rep` on `key` and the references it implied on the ancestors."""
+        shift, bit = REF_BITS * rep.index, 1 << rep.index
+        one = 1 << shift
+        direct = True
+        while key is not None:
+            node = self._nodes[key]
+            if resident:
+                node.rrefs -= one
+                if (node.rrefs >> shift) & REF_MASK:
+                    if direct:
+                        rep.holes.add(key)
+                    return
+                node.rmask &= ~bit
+                node.mask = node.hmask | node.rmask
+                rep.holes.discard(key)
+            else:
+                node.hrefs -= one
+                if (node.hrefs >> shift) & REF_MASK:
+                    return
+                node.hmask &= ~bit
+                node.mask = node.hmask | node.rmask
+            if not node.mask:
+                del self._nodes[key]
+                self._bytes -= NODE_BYTES
+            key = node.parent
+            direct = False
+
+    def _enforce_bounds(self) -> int:
+        """Evict least recently used chains until within bounds; returns how many (`KVDirectory` evicts)."""
+        raise NotImplementedError

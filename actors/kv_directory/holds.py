@@ -1,0 +1,182 @@
+"""Exported holds in the KV directory: recorded per turn, offered when a query starts with their tokens,
+consumed once, and gone at expiry.
+
+vLLM checks no token ids when it pulls, so a hold is offered only for a query that starts with exactly its
+tokens (its full blocks by chained hash, its partial last block by the stored tokens), and only until its lease
+is within `expiry_margin_s` of ending.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+from actors.kv_directory.chains import ChainIndex, H
+from actors.kv_directory.records import HOLD_BYTES, REF_BITS, HoldRecord, Node, ReplicaRecord, alloc, deep_size
+from actors.kv_directory.results import RecordResult
+from actors.prefix_hash import TOKEN_BYTES, BlockHash, PrefixKey, Scope
+from kvtransfer.types import HoldOffer
+
+# NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.
+_tuple_new = tuple.__new__
+
+
+class HoldIndex(ChainIndex):
+    """Record, offer, consume and expire holds (part of `KVDirectory`)."""
+
+    def record_hold(
+        self,
+        replica_id: str,
+        key: PrefixKey | Sequence[int],
+        kv_transfer_params: dict[str, Any],
+        expires_at: float,
+        *,
+        num_tokens: int | None = None,
+        scope: Scope | tuple[str, str] | None = None,
+    ) -> RecordResult:
+        """Record that `replica_id` exported the KV of the first `num_tokens` tokens of `key`.
+
+        `num_tokens` defaults to the params' `remote_num_tokens`, else the whole key. `expires_at` is in
+        this directory's clock (wall time by default). Holds without a full block are not kept: a pull
+        would never beat recomputing them.
+        """
+        key = self._as_key(key, scope)
+        now = self._purge_expired()
+        if num_tokens is None:
+            remote = kv_transfer_params.get("remote_num_tokens")
+            num_tokens = key.num_tokens if remote is None else int(remote)
+        if not 0 <= num_tokens <= key.num_tokens:
+            raise ValueError(f"num_tokens={num_tokens} is outside the key's {key.num_tokens} tokens")
+        full = num_tokens // self.block_size
+        if full == 0 or not self._offerable(expires_at, now):
+            return RecordResult(None, 0, 0)
+        rep = self._replica(replica_id)
+        hold_id = self._next_chain_id
+        self._next_chain_id += 1
+        tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
+        params = dict(kv_transfer_params)
+        nbytes = HOLD_BYTES + alloc(tail) + deep_size(params)
+        end = key.block_hash(full - 1)
+        hold = HoldRecord(hold_id, rep.index, end, num_tokens, tail, params, expires_at, nbytes)
+        created = self._acquire_hold(key.hashes, full, rep.index)
+        node = self._nodes[end]
+        if node.ends is None:
+            node.ends = [hold]
+        else:
+            node.ends.append(hold)
+        self._holds[hold_id] = hold
+        self._lru[hold_id] = hold
+        rep.holds.add(hold_id)
+        heapq.heappush(self._expiry, (expires_at, hold_id))
+        self._bytes += nbytes
+        evicted = self._enforce_bounds()
+        return RecordResult(hold_id if hold_id in self._holds else None, created, evicted)
+
+    def _acquire_hold(self, hashes: bytes, depth: int, index: int) -> int:
+        """One direct hold reference of replica `index` on the node at `depth`; returns nodes created."""
+        one, bit = 1 << (REF_BITS * index), 1 << index
+        created = 0
+        i = depth - 1
+        key: BlockHash | None = hashes[i * H : (i + 1) * H]
+        while key is not None:
+            # One bytes object per hash: a new node's parent pointer is its new parent's dict key.
+            parent = hashes[(i - 1) * H : i * H] if i else None
+            node = self._nodes.get(key)
+            if node is None:
+                node = self._new_node(key, parent)
+                created += 1
+            node.hrefs += one
+            if node.hmask & bit:
+                break
+            node.hmask |= bit
+            node.mask |= bit
+            key, i = parent, i - 1
+        return created
+
+    def consume_hold(self, hold_id: int) -> dict[str, Any] | None:
+        """The hold's kv_transfer_params, once: the hold is gone afterwards. None if expired or unknown."""
+        self._purge_expired()
+        hold = self._holds.get(hold_id)
+        if hold is None:
+            return None
+        self._remove_hold(hold)
+        self._holds_consumed += 1
+        return hold.params
+
+    def _offerable(self, expires_at: float, now: float) -> bool:
+        return now < expires_at - self.expiry_margin_s
+
+    def _remove_hold(self, hold: HoldRecord) -> None:
+        rep = self._by_index[hold.replica]
+        node = self._nodes[hold.end]
+        assert node.ends is not None
+        node.ends.remove(hold)
+        if not node.ends:
+            node.ends = None
+        del self._holds[hold.hold_id]
+        del self._lru[hold.hold_id]
+        rep.holds.discard(hold.hold_id)
+        self._bytes -= hold.nbytes
+        self._release(hold.end, rep, resident=False)
+        self._forget_if_empty(rep)
+
+    def _purge_expired(self) -> float:
+        """Remove every hold that is no longer offerable; returns the clock reading used."""
+        now = self._clock()
+        heap = self._expiry
+        while heap and not self._offerable(heap[0][0], now):
+            _, hold_id = heapq.heappop(heap)
+            hold = self._holds.get(hold_id)
+            if hold is not None and not self._offerable(hold.expires_at, now):
+                self._remove_hold(hold)
+                self._holds_expired += 1
+        if len(heap) > 2 * len(self._holds) + 64:  # consumed and evicted holds leave stale entries
+            self._expiry = [(h.expires_at, h.hold_id) for h in self._holds.values()]
+            heapq.heapify(self._expiry)
+        return now
+
+    # ----- offers (for `KVDirectory.lookup`)
+
+    def _deepest(self, hashes: Sequence[BlockHash], hi: int, bit: int) -> int:
+        """Deepest depth in [0, hi] whose node this replica holds through holds (prefix-closed)."""
+        get = self._nodes.get
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            node = get(hashes[(mid - 1) * H : mid * H])
+            if node is not None and node.hmask & bit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _offer(self, key: PrefixKey, rep: ReplicaRecord, depth: int, node: Node | None) -> HoldOffer | None:
+        """The longest hold of `rep` whose full blocks end on the query's chain and whose tail matches.
+
+        `node` is the node at `depth` when the caller has it.
+        """
+        get, tokens, hashes, index = self._nodes.get, key.tokens, key.hashes, rep.index
+        step = self.block_size * TOKEN_BYTES
+        if node is None and depth:
+            node = get(hashes[(depth - 1) * H : depth * H])
+        k = depth
+        while k > 0:
+            ends = node.ends if node is not None else None
+            if ends:
+                best: HoldRecord | None = None
+                start = k * step
+                for hold in ends:
+                    if hold.replica != index or tokens[start : start + len(hold.tail)] != hold.tail:
+                        continue
+                    if best is None or (hold.num_tokens, hold.hold_id) > (best.num_tokens, best.hold_id):
+                        best = hold
+                if best is not None:
+                    best.used = True
+                    self._hold_offers += 1
+                    offer = (best.hold_id, rep.replica_id, best.num_tokens, best.expires_at, best.params)
+                    return _tuple_new(HoldOffer, offer)
+            k -= 1
+            if k:
+                node = get(hashes[(k - 1) * H : k * H])
+        return None

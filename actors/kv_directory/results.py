@@ -1,0 +1,66 @@
+"""What the KV directory's updates return, and the prefix-cache ops a replica's KV events become."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from actors.prefix_hash import BlockHash
+
+
+class RecordResult(NamedTuple):
+    """`hold_id` is None when the hold was not kept: no full block, already expired, or evicted at once."""
+
+    hold_id: int | None
+    new_entries: int
+    evicted_chains: int
+
+
+class StoreResident(NamedTuple):
+    """A replica's prefix cache stored these consecutive blocks after `parent` (None: from block one)."""
+
+    parent: BlockHash | None
+    hashes: tuple[BlockHash, ...]
+
+
+class RemoveResident(NamedTuple):
+    """A replica's prefix cache dropped these blocks."""
+
+    hashes: tuple[BlockHash, ...]
+
+
+class ClearResident(NamedTuple):
+    """A replica's prefix cache was reset."""
+
+
+ResidentOp = StoreResident | RemoveResident | ClearResident
+
+
+class ResidentResult(NamedTuple):
+    """Blocks stored and removed, blocks skipped (unknown parent), and the directory's epoch.
+
+    A changed epoch tells a forwarder the directory restarted empty, so it should re-report its state.
+    """
+
+    stored: int
+    removed: int
+    skipped: int
+    epoch: str
+
+
+class DirectoryStats(NamedTuple):
+    entries: int
+    bytes: int
+    holds: int
+    resident_blocks: int
+    replicas: int
+    lookups: int
+    lookup_hits: int
+    hit_rate: float
+    hold_offers: int
+    holds_consumed: int
+    holds_expired: int
+    chains_evicted: int
+    resident_skipped: int
+    max_entries: int
+    max_bytes: int
+    epoch: str
