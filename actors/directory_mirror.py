@@ -24,7 +24,7 @@ from actors.kv_directory.index import KVDirectory
 from actors.prefix_hash import PrefixKey
 from actors.replica_api import ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
-from kvtransfer.types import LookupResult
+from kvtransfer.types import Hold, LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -102,25 +102,22 @@ class DirectoryMirror:
         elif kind == "leave":
             self._forget(update[1])
         elif kind == "hold":
-            _, replica_id, key, params, expires_at, num_tokens, hold_id = update
-            self._copy_hold(replica_id, key, params, expires_at, num_tokens, hold_id)
+            _, replica_id, key, hold, expires_at, hold_id = update
+            self._copy_hold(replica_id, key, hold, expires_at, hold_id)
         elif kind == "consume":
             self._drop_hold(update[1])
         elif kind == "resident":
             self._copy.apply_resident(update[1], update[2])
 
-    def _copy_hold(
-        self, replica_id: str, key: PrefixKey, params: dict[str, Any], expires_at: float, num_tokens: int | None,
-        actor_id: int,
-    ) -> None:
+    def _copy_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, actor_id: int) -> None:
         if actor_id in self._local_id or actor_id in self._gone:
             return
-        result = self._copy.record_hold(replica_id, key, params, expires_at, num_tokens=num_tokens)
+        result = self._copy.record_hold(replica_id, key, hold, expires_at)
         if result.hold_id is not None:
             self._local_id[actor_id] = result.hold_id
             self._actor_id[result.hold_id] = actor_id
 
-    def _drop_hold(self, actor_id: int) -> dict[str, Any] | None:
+    def _drop_hold(self, actor_id: int) -> Hold | None:
         self._gone.append(actor_id)
         local = self._local_id.pop(actor_id, None)
         if local is None:
@@ -145,18 +142,15 @@ class DirectoryMirror:
 
     # ----- writes (the actor first, then the copy)
 
-    def record_hold(
-        self, replica_id: str, key: PrefixKey, params: dict[str, Any], expires_at: float, num_tokens: int
-    ) -> asyncio.Task:
+    def record_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float) -> asyncio.Task:
         """Record a turn's new hold in this copy at once, so this ingress's next turn sees it, and at the actor in
         the background, so the turn's last token does not wait for a directory round trip. Returns that task.
 
         Until the actor answers, the hold is offered here but only usable through this mirror: `consume_hold`
         waits for the answer; if the actor refused the hold, the copy drops it too.
         """
-        local = self._copy.record_hold(replica_id, key, params, expires_at, num_tokens=num_tokens).hold_id
-        task = asyncio.get_running_loop().create_task(
-            self._record_at_actor(local, replica_id, key, params, expires_at, num_tokens))
+        local = self._copy.record_hold(replica_id, key, hold, expires_at).hold_id
+        task = asyncio.get_running_loop().create_task(self._record_at_actor(local, replica_id, key, hold, expires_at))
         if local is not None:
             self._pending[local] = task
         self._background.add(task)
@@ -164,11 +158,10 @@ class DirectoryMirror:
         return task
 
     async def _record_at_actor(
-        self, local: int | None, replica_id: str, key: PrefixKey, params: dict[str, Any], expires_at: float,
-        num_tokens: int,
+        self, local: int | None, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float
     ) -> None:
         try:
-            answer = await self.directory.record_hold.remote(replica_id, key, params, expires_at, num_tokens)
+            answer = await self.directory.record_hold.remote(replica_id, key, hold, expires_at)
             actor_id = answer.hold_id
         except Exception as exc:  # the directory restarts: the hold is not offered, its lease frees it
             logger.warning("could not record a hold of %s at the KV directory: %s", replica_id, exc)
@@ -177,7 +170,7 @@ class DirectoryMirror:
             self._pending.pop(local, None)
         if local is None:  # this copy knew a deeper hold already; follow the actor's answer as the feed would
             if actor_id is not None:
-                self._copy_hold(replica_id, key, params, expires_at, num_tokens, actor_id)
+                self._copy_hold(replica_id, key, hold, expires_at, actor_id)
             return
         if actor_id is None or actor_id in self._local_id or actor_id in self._gone:
             # Refused by the actor, or its feed delivered (or consumed) the hold first: keep one copy, or none.
@@ -186,8 +179,8 @@ class DirectoryMirror:
         self._local_id[actor_id] = local
         self._actor_id[local] = actor_id
 
-    async def consume_hold(self, local_id: int) -> dict[str, Any] | None:
-        """Take a hold this mirror offered: its params, once, if the actor still has exactly that hold."""
+    async def consume_hold(self, local_id: int) -> Hold | None:
+        """Take a hold this mirror offered: once, and only if the actor still has exactly that hold."""
         pending = self._pending.get(local_id)
         if pending is not None:
             await asyncio.shield(pending)
@@ -195,10 +188,10 @@ class DirectoryMirror:
         if actor_id is None:
             return None
         offered = self._drop_hold(actor_id)
-        params = await self.directory.consume_hold.remote(actor_id)
-        if params is None or params != offered:
+        hold = await self.directory.consume_hold.remote(actor_id)
+        if hold is None or hold != offered:
             return None  # pulled, released or expired meanwhile, or not the hold this mirror knew
-        return params
+        return hold
 
     async def deregister(self, replica_id: str) -> None:
         self._forget(replica_id)

@@ -41,7 +41,8 @@ from actors.vllm_engine import (
 )
 from configs.engine import EngineConfig
 from configs.model_store import ensure_model
-from kvtransfer.connector import export_params, release_params
+from kvtransfer.connector import export_params
+from kvtransfer.types import Hold
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +222,12 @@ class EngineReplica:
             raise InvalidRequestError(str(exc)) from exc
 
     def _transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
-        """The planner's params (a pull), else an export so the next turn can pull from here."""
-        if request.kv_transfer_params:
-            return request.kv_transfer_params
+        """vLLM's `kv_transfer_params` for this request: read the KV it names (a pull, or P/D decode), else export
+        a hold so the next turn can pull from here."""
+        if request.pull is not None:
+            return request.pull.pull_params()
+        if request.prefilled is not None:
+            return request.prefilled.decode_params()
         if self.config.nixl.enabled and self.config.nixl.bidirectional and request.export_hold:
             return export_params()
         return None
@@ -231,14 +235,14 @@ class EngineReplica:
     async def release_hold(self, release: HoldRelease | dict[str, Any]) -> None:
         """Free another replica's hold before its lease ends; its blocks return to that replica's cache."""
         release = HoldRelease.model_validate(release)
-        if release.hold.get("remote_engine_id") == self.engine_id:
+        if release.hold.engine_id == self.engine_id:
             raise InvalidRequestError("a replica cannot release its own hold; send the release to another replica")
         await self.engine.notify_kv_transfer_request_rejected(
-            f"release-{uuid.uuid4().hex}", release_params(release.hold)
+            f"release-{uuid.uuid4().hex}", release.hold.release_params()
         )
 
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[GenerateDelta]:
-        """Stream one generation as deltas; the last delta carries totals and vLLM's kv_transfer_params."""
+        """Stream one generation as deltas; the last delta carries totals and the hold the engine exported."""
         from vllm import TextPrompt, TokensPrompt
 
         request = GenerateRequest.model_validate(request)
@@ -283,7 +287,7 @@ class EngineReplica:
                     delta.prompt_tokens = prompt_tokens
                     delta.completion_tokens = completion
                     delta.num_cached_tokens = cached
-                    delta.kv_transfer_params = out.kv_transfer_params
+                    delta.hold = Hold.from_params(out.kv_transfer_params)
                     delta.ran_alone = alone and first_token_at is not None
                     delta.prefill_s = self._observe_speeds(out, started, first_token_at, now, completion, alone)
                     metrics = out.metrics

@@ -5,9 +5,9 @@ These are plain pydantic models so they cross Ray process boundaries unchanged a
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvtransfer.types import Hold
 
 # Names of the load signals a replica reports to Serve's autoscaler (`EngineReplica.record_autoscaling_stats`).
 ONGOING_REQUESTS = "ongoing_requests"
@@ -48,8 +48,11 @@ class GenerateRequest(BaseModel):
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     sampling: Sampling = Field(default_factory=Sampling)
-    # Set by kvtransfer's planner only, never taken from a client: they name KV blocks to pull.
-    kv_transfer_params: dict[str, Any] | None = None
+    # Set by the turn runner only, never taken from a client: they name KV blocks another engine holds.
+    # `pull`: read this hold's tokens' KV over NIXL, compute the rest of the prompt.
+    pull: Hold | None = None
+    # `prefilled` (P/D): the prefill replica computed this whole prompt into this hold; read it and decode.
+    prefilled: Hold | None = None
     # Isolates tenants inside the engine's own prefix cache (vLLM's cache_salt).
     cache_salt: str | None = None
     # Compute the whole prompt even if the prefix cache holds part of it (forced recompute, for
@@ -66,6 +69,8 @@ class GenerateRequest(BaseModel):
             raise ValueError("give exactly one of prompt_token_ids and prompt")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.pull is not None and self.prefilled is not None:
+            raise ValueError("give at most one of pull and prefilled")
         return self
 
 
@@ -76,7 +81,7 @@ class HoldRelease(BaseModel):
     names another one in `target_replica`, which the replica router reads like a generate request's.
     """
 
-    hold: dict[str, Any]
+    hold: Hold
     target_replica: str
 
 
@@ -91,8 +96,8 @@ class GenerateDelta(BaseModel):
     completion_tokens: int = 0
     # Prompt tokens whose KV the engine did not compute: a local prefix hit or pulled over NIXL.
     num_cached_tokens: int = 0
-    # What vLLM's connector returned (an exported hold in bidirectional mode).
-    kv_transfer_params: dict[str, Any] | None = None
+    # The hold vLLM's connector exported for this request (bidirectional mode), if it left one.
+    hold: Hold | None = None
     # Seconds from the engine scheduling the request to its first token (prefill compute), if known.
     prefill_s: float | None = None
     # Seconds from the request reaching the engine to its scheduling: queueing, and for a pull the wait for

@@ -21,10 +21,10 @@ from typing import Any
 from actors.directory_mirror import DirectoryMirror
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats, Sampling
-from kvtransfer.connector import held_tokens, is_hold, is_load_failure, pull_params
+from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan, Policy, ReplicaView, plan_turn
-from kvtransfer.types import HoldOffer
+from kvtransfer.types import Hold, HoldOffer
 
 logger = logging.getLogger(__name__)
 
@@ -203,40 +203,39 @@ class TurnRunner:
         key, plan = self.plan(turn, force, targets)
         outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
         self.counters[f"plans_{plan.mode.value}"] += 1
-        params = None
+        pull = None
         if plan.mode is Mode.PULL:
             hold = await self.directory.consume_hold(plan.hold.hold_id)
-            if hold is not None and is_hold(hold) and held_tokens(hold) <= len(turn.token_ids) - 1:
-                params = pull_params(hold)
+            if hold is not None and hold.num_tokens <= len(turn.token_ids) - 1:
+                pull = hold
             else:
                 # Raced with another turn or expired in between: compute on the same target instead.
                 self.counters["holds_gone"] += 1
         started = time.monotonic()
         skip_cache = force is not None and force[0] is Mode.RECOMPUTE
         if self.decode_engines is not None:
-            async for delta in self._run_disaggregated(turn, plan, params, outcome, started, skip_cache):
+            async for delta in self._run_disaggregated(turn, plan, pull, outcome, started, skip_cache):
                 yield delta, outcome
             return
-        async for delta in self._attempt(turn, plan, params, outcome, started, skip_cache):
+        async for delta in self._attempt(turn, plan, pull, outcome, started, skip_cache):
             yield delta, outcome
         if outcome.pull_failed:
             async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
                 yield delta, outcome
-        elif force is None and outcome.ttft_ms is not None and (params is not None or plan.mode is not Mode.PULL):
+        elif force is None and outcome.ttft_ms is not None and (pull is not None or plan.mode is not Mode.PULL):
             # The turn ran as planned: teach the planner how far off its estimate was.
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
 
     async def _run_disaggregated(
-        self, turn: Turn, plan: Plan, params: dict[str, Any] | None, outcome: TurnOutcome, started: float,
-        skip_cache: bool,
+        self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float, skip_cache: bool
     ) -> AsyncIterator[GenerateDelta]:
         """Prefill on P (pulling the history when planned) with one output token, then P->D and decode on D."""
         prefill = replace(turn, sampling=turn.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
-        prefilled = [d async for d in self._attempt(prefill, plan, params, outcome, started, skip_cache, "prefill")]
+        prefilled = [d async for d in self._attempt(prefill, plan, pull, outcome, started, skip_cache, "prefill")]
         if outcome.pull_failed:
             prefilled = [d async for d in self._attempt(prefill, plan, None, outcome, started, skip_cache, "prefill")]
-        handoff = prefilled[-1].kv_transfer_params if prefilled else None
-        if not is_hold(handoff):
+        handoff = prefilled[-1].hold if prefilled else None
+        if handoff is None:
             # P could not hand its KV over: it is a kv_both replica, so let it run the whole turn.
             self.counters["handoff_failures"] += 1
             async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
@@ -259,19 +258,21 @@ class TurnRunner:
         self,
         turn: Turn,
         plan: Plan,
-        params: dict[str, Any] | None,
+        hold: Hold | None,
         outcome: TurnOutcome,
         started: float,
         skip_cache: bool = False,
         stage: str = "turn",
     ) -> AsyncIterator[GenerateDelta]:
-        """One request to one replica. `stage` "prefill" or "decode" for the two halves of a P/D turn."""
+        """One request to one replica, reading `hold`'s KV if given. `stage` "prefill" or "decode" for the two
+        halves of a P/D turn (the decode half reads the prefill's hold of the whole prompt)."""
         engines = self.decode_engines if stage == "decode" else self.engines
         request = GenerateRequest(
-            request_id=f"{turn.request_id}-{stage}-{'kv' if params else 'run'}",
+            request_id=f"{turn.request_id}-{stage}-{'kv' if hold else 'run'}",
             prompt_token_ids=turn.token_ids,
             sampling=turn.sampling,
-            kv_transfer_params=params,
+            pull=hold if stage != "decode" else None,
+            prefilled=hold if stage == "decode" else None,
             target_replica=plan.replica_id or None,
             cache_salt=turn.tenant or None,
             skip_prefix_cache=skip_cache,
@@ -284,7 +285,7 @@ class TurnRunner:
         self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
         try:
             async for delta in engines.options(stream=True).generate.remote(request):
-                if delta.finished and params is not None and is_load_failure(delta.finish_reason):
+                if delta.finished and hold is not None and is_load_failure(delta.finish_reason):
                     # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
                     logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
                     self.counters["pull_failures"] += 1
@@ -307,7 +308,7 @@ class TurnRunner:
                 if delta.finished:
                     outcome.replica_id = delta.replica_id
                     outcome.reused_tokens = delta.num_cached_tokens
-                    self._after_turn(turn, turn.token_ids + output, plan, params, delta, stage)
+                    self._after_turn(turn, turn.token_ids + output, plan, hold, delta, stage)
                 yield delta
         finally:
             self.inflight.ended(where, request.request_id)
@@ -325,27 +326,24 @@ class TurnRunner:
             if sender is None:
                 continue  # a lone replica: the hold lasts until its lease ends
             try:
-                params = await self.directory.consume_hold(offer.hold_id)
-                if params is not None:  # None: pulled, expired or released already
+                hold = await self.directory.consume_hold(offer.hold_id)
+                if hold is not None:  # None: pulled, expired or released already
                     self.counters["holds_released"] += 1
-                    await self.engines.release_hold.remote(HoldRelease(hold=params, target_replica=sender))
+                    await self.engines.release_hold.remote(HoldRelease(hold=hold, target_replica=sender))
             except Exception as exc:  # the hold then lasts until its lease ends: slower, never wrong
                 logger.warning("could not release hold %s on %s: %s", offer.hold_id, offer.replica_id, exc)
 
     def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
-        if is_hold(last.kv_transfer_params):
+        if last.hold is not None:
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
-            self.directory.record_hold(
-                last.replica_id, key, last.kv_transfer_params, time.time() + self.hold_ttl_s,
-                held_tokens(last.kv_transfer_params),
-            )
+            self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s)
 
     def _after_turn(
         self,
         turn: Turn,
         key_tokens: list[int],
         plan: Plan,
-        params: dict[str, Any] | None,
+        hold: Hold | None,
         last: GenerateDelta,
         stage: str,
     ) -> None:
@@ -365,7 +363,7 @@ class TurnRunner:
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused
         self.cost.observe_prefill(new_tokens, reused, prefill_ms, plan.busy_peers)
-        if params is not None and last.wait_s is not None:
+        if hold is not None and last.wait_s is not None:
             # vLLM schedules a pulling request once its KV has arrived: the wait before scheduling is the
             # transfer (plus any queueing, which an idle calibration avoids).
             self.cost.observe_pull(reused - plan.cached_tokens, last.wait_s * 1e3)

@@ -28,6 +28,7 @@ from typing import Any
 from actors.kv_directory.actor import KVDirectoryActor
 from actors.kv_directory.index import KVDirectory
 from actors.prefix_hash import PrefixKey, Scope
+from kvtransfer.types import Hold
 
 SCOPE = Scope("bench-model", "bench-tenant")
 VOCAB = 50_000
@@ -41,20 +42,18 @@ def conversation(index: int, num_tokens: int) -> list[int]:
     return [pool[rng.randrange(VOCAB)] for _ in range(num_tokens)]
 
 
-def kv_params(index: int, blocks: int, num_tokens: int) -> dict[str, Any]:
-    """The shape of vLLM's bidirectional kv_transfer_params for one finished turn."""
-    return {
-        "do_remote_prefill": False,
-        "do_remote_decode": True,
-        "remote_block_ids": [list(range(index * blocks, (index + 1) * blocks))],
-        "remote_engine_id": f"engine-{index % 4}",
-        "remote_request_id": f"req-{index}",
-        "remote_host": "127.0.0.1",
-        "remote_port": 5600 + index % 4,
-        "tp_size": 1,
-        "remote_num_tokens": num_tokens,
-        "remote_blocks_expiry_time": 0.0,
-    }
+def kv_hold(index: int, blocks: int, num_tokens: int) -> Hold:
+    """A hold as vLLM's bidirectional connector exports it for one finished turn."""
+    return Hold(
+        engine_id=f"engine-{index % 4}",
+        host="127.0.0.1",
+        port=5600 + index % 4,
+        block_ids=[list(range(index * blocks, (index + 1) * blocks))],
+        num_tokens=num_tokens,
+        request_id=f"req-{index}",
+        expiry_time=0.0,
+        extra={"tp_size": 1},
+    )
 
 
 def keys(indices: range | list[int], num_tokens: int, block_size: int) -> Iterator[tuple[int, PrefixKey]]:
@@ -80,8 +79,8 @@ def load_directory(directory: KVDirectory, args: argparse.Namespace, expires: fl
     """Record every conversation as a hold; returns the per-record latencies (ns)."""
     samples = []
     for i, key in keys(range(args.conversations), args.tokens, args.block_size):
-        replica, params = f"r{i % 4}", kv_params(i, args.blocks, args.tokens)
-        samples.append(timed(lambda k=key, r=replica, p=params: directory.record_hold(r, k, p, expires)))
+        replica, hold = f"r{i % 4}", kv_hold(i, args.blocks, args.tokens)
+        samples.append(timed(lambda k=key, r=replica, h=hold: directory.record_hold(r, k, h, expires)))
     return samples
 
 
@@ -210,16 +209,16 @@ def bench_ray(args: argparse.Namespace, queries: list[PrefixKey]) -> dict[str, A
         bulk = range(args.conversations - sequential)
         pending = []
         for i, key in keys(bulk, args.tokens, args.block_size):  # pipelined load, 64 calls in flight
-            pending.append(handle.record_hold.remote(f"r{i % 4}", key, kv_params(i, args.blocks, args.tokens), expires))
+            pending.append(handle.record_hold.remote(f"r{i % 4}", key, kv_hold(i, args.blocks, args.tokens), expires))
             if len(pending) >= 64:
                 ray.get(pending)
                 pending = []
         ray.get(pending)
         record_ns = []
         for i, key in keys(range(args.conversations - sequential, args.conversations), args.tokens, args.block_size):
-            params = kv_params(i, args.blocks, args.tokens)
+            hold = kv_hold(i, args.blocks, args.tokens)
             record_ns.append(
-                timed(lambda key=key, params=params: ray.get(handle.record_hold.remote("r0", key, params, expires)))
+                timed(lambda key=key, hold=hold: ray.get(handle.record_hold.remote("r0", key, hold, expires)))
             )
         noop = ray.remote(NoopActor).options(num_cpus=0.01).remote()
         for q in queries[:100]:

@@ -21,6 +21,9 @@ the engine reads `min(remote_num_tokens, len(prompt))` tokens' blocks (less its 
 computes the rest, and exports a hold of its own. Sending the hold unchanged (`do_remote_prefill=True`)
 makes the engine claim the *whole* prompt as remote and silently produce wrong tokens.
 
+A hold is parsed once into `kvtransfer.types.Hold` where a replica receives it from vLLM; `Hold.pull_params`,
+`decode_params` (P/D) and `release_params` give the dicts a replica hands back.
+
 vLLM checks no token ids: a hold may only be pulled into a prompt that starts with exactly its tokens,
 only once (after a pull the holder frees the blocks, a second read returns garbage), and only before its
 lease ends. Those checks live in the KV directory and the planner.
@@ -31,9 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 from configs.engine import NixlSettings
-
-# Fields a hold must carry for a pull to be well formed.
-HOLD_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
 
 
 def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str) -> dict[str, Any]:
@@ -67,28 +67,6 @@ def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str)
 def export_params() -> dict[str, Any]:
     """Params for a turn that computes its own prompt and leaves a pullable hold behind."""
     return {"do_remote_decode": True}
-
-
-def is_hold(params: dict[str, Any] | None) -> bool:
-    """Whether an engine's returned params describe a pullable hold."""
-    return bool(params) and all(params.get(f) is not None for f in HOLD_FIELDS) and params["remote_num_tokens"] > 0
-
-
-def pull_params(hold: dict[str, Any]) -> dict[str, Any]:
-    """Params for a turn that pulls `hold`'s tokens (and exports its own hold at the end)."""
-    if not is_hold(hold):
-        raise ValueError(f"not a pullable hold: {sorted(hold)}")
-    return dict(hold, do_remote_prefill=False, do_remote_decode=True)
-
-
-def release_params(hold: dict[str, Any]) -> dict[str, Any]:
-    """Params for `AsyncLLM.notify_kv_transfer_request_rejected`, which frees a hold early."""
-    return dict(hold, do_remote_prefill=True, do_remote_decode=False)
-
-
-def held_tokens(hold: dict[str, Any]) -> int:
-    """How many leading tokens of (prompt + output) the hold's KV covers."""
-    return int(hold["remote_num_tokens"])
 
 
 def is_load_failure(finish_reason: str | None) -> bool:

@@ -1,27 +1,96 @@
-"""What the KV directory answers and the planner, the turn runner and the ingress read: who holds a prefix.
+"""What engine replicas, the KV directory, its mirrors, the planner and the turn runner hand each other.
 
-Plain NamedTuples with no imports of ours, so the directory (`actors/`) and the pure planner (`kvtransfer/`)
-both depend on this module and never on each other.
+A `Hold` is an engine's exported KV, parsed once from vLLM's `kv_transfer_params` where the replica receives it
+(the wire contract is written down in `kvtransfer/connector.py`); the dict form exists again only where a
+replica hands it back to vLLM. `LookupResult` is the directory's answer to "who holds this prefix". Nothing
+here imports anything of ours, so `actors/` and the pure planner both depend on this module, never on each other.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 HoldingKind = Literal["hold", "resident"]
+
+# The fields a pullable hold must carry, and the flags that say what an engine should do with one.
+_REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
+_FLAGS = ("do_remote_prefill", "do_remote_decode")
+_TYPED = (*_REQUIRED, "remote_request_id", "remote_blocks_expiry_time")
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A finished request's KV blocks that its engine keeps for one pull by another engine (NIXL), until its lease ends.
+
+    Read only: the directory and its mirrors share one instance between their records and their offers.
+    """
+
+    engine_id: str  # the holder's engine (remote_engine_id)
+    host: str  # the holder's NIXL side channel (remote_host, remote_port)
+    port: int
+    block_ids: list[list[int]]  # per KV cache group (remote_block_ids)
+    num_tokens: int  # the leading tokens of prompt + output whose KV the blocks hold (remote_num_tokens)
+    request_id: str | None = None  # the holder's internal request id (remote_request_id)
+    expiry_time: float | None = None  # the holder's perf_counter deadline, if it sent one (remote_blocks_expiry_time)
+    # The other fields vLLM sent (parallel sizes, transfer mode), handed back to it unchanged.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> Hold | None:
+        """The hold an engine's returned `kv_transfer_params` describe; None if they describe no pullable hold."""
+        if not params or any(params.get(f) is None for f in _REQUIRED) or params["remote_num_tokens"] <= 0:
+            return None
+        return cls(
+            engine_id=params["remote_engine_id"],
+            host=params["remote_host"],
+            port=params["remote_port"],
+            block_ids=params["remote_block_ids"],
+            num_tokens=int(params["remote_num_tokens"]),
+            request_id=params.get("remote_request_id"),
+            expiry_time=params.get("remote_blocks_expiry_time"),
+            extra={k: v for k, v in params.items() if k not in _TYPED and k not in _FLAGS},
+        )
+
+    def pull_params(self) -> dict[str, Any]:
+        """Params for a turn on another engine that reads this hold's tokens (and leaves a hold of its own)."""
+        return self._params(do_remote_prefill=False, do_remote_decode=True)
+
+    def decode_params(self) -> dict[str, Any]:
+        """P/D: params for the decode engine, which reads the whole prompt's KV from this prefill hold (vLLM's
+        P->D request: the hold as the prefill engine exported it)."""
+        return self._params(do_remote_prefill=True, do_remote_decode=False)
+
+    def release_params(self) -> dict[str, Any]:
+        """Params for `AsyncLLM.notify_kv_transfer_request_rejected` on another engine: free the hold early."""
+        return self._params(do_remote_prefill=True, do_remote_decode=False)
+
+    def _params(self, do_remote_prefill: bool, do_remote_decode: bool) -> dict[str, Any]:
+        return {
+            **self.extra,
+            "do_remote_prefill": do_remote_prefill,
+            "do_remote_decode": do_remote_decode,
+            "remote_block_ids": self.block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_num_tokens": self.num_tokens,
+            "remote_blocks_expiry_time": self.expiry_time,
+        }
 
 
 class HoldOffer(NamedTuple):
     """An unexpired exported hold whose every token is a prefix of the query: pullable over NIXL.
 
-    In-process, `kv_transfer_params` is the directory's own dict: read it, copy it before changing it.
+    `hold_id` is the offering directory's own id: take the hold from that directory (`consume_hold`).
     """
 
     hold_id: int
     replica_id: str
     num_tokens: int
     expires_at: float
-    kv_transfer_params: dict[str, Any]
+    hold: Hold
 
 
 class ReplicaMatch(NamedTuple):

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvtransfer.types import Hold
+
 # Set before anything imports ray or vllm: loopback only, no token file, no usage reporting, offline.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -84,6 +86,14 @@ def ray_cluster() -> Iterator[Any]:
 
 # Block size of the directory actors the directory tests start (small, so short token lists fill blocks).
 DIRECTORY_BLOCK_SIZE = 4
+
+
+def make_hold(
+    num_tokens: int, engine_id: str = "e1", request_id: str = "req-1", block_ids: list[list[int]] | None = None
+) -> Hold:
+    """A hold as an engine replica reports it (the fields vLLM's connector exports)."""
+    return Hold(engine_id=engine_id, host="127.0.0.1", port=1, block_ids=block_ids or [[1, 2, 3]],
+                num_tokens=num_tokens, request_id=request_id)
 
 
 def start_directory_actor(name: str, block_size: int = DIRECTORY_BLOCK_SIZE) -> Any:

@@ -12,12 +12,13 @@ from typing import Any
 from actors.directory_mirror import DirectoryMirror
 from actors.kv_directory.results import StoreResident
 from actors.replica_api import ReplicaIdentity, ReplicaStats
+from kvtransfer.types import Hold
+from tests.conftest import make_hold
 from tests.test_kv_directory_actor import BS, key
 
 
-def hold_params(n: int, engine: str = "e1") -> dict[str, Any]:
-    return {"remote_block_ids": [[1, 2, 3]], "remote_engine_id": engine, "remote_request_id": uuid.uuid4().hex,
-            "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": n}
+def new_hold(n: int, engine: str = "e1") -> Hold:
+    return make_hold(n, engine, request_id=uuid.uuid4().hex)
 
 
 def identity(replica_id: str) -> ReplicaIdentity:
@@ -47,7 +48,7 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
         # Updates arrive through the actor, from replicas (heartbeats, cache events) and other ingresses (holds).
         await directory.heartbeat.remote(identity("r1"), stats("r1"))
         await directory.heartbeat.remote(identity("r2"), stats("r2"))
-        await directory.record_hold.remote("r1", conv, hold_params(16), time.time() + 3600)
+        await directory.record_hold.remote("r1", conv, new_hold(16), time.time() + 3600)
         await directory.apply_resident.remote("r2", [StoreResident(None, conv.block_hashes[:2])])
         await until(lambda: len(mirror.lookup(conv.extend([9])).matches) == 2)
         assert [r.replica_id for r in mirror.live()] == ["r1", "r2"]
@@ -70,7 +71,7 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
 
 def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
     conv = key(range(12))
-    params = hold_params(12)
+    hold = new_hold(12)
 
     async def scenario() -> None:
         mirrors = [DirectoryMirror(directory, BS) for _ in range(2)]
@@ -78,14 +79,14 @@ def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
             m.start()
         await until(lambda: all(m.epoch is not None for m in mirrors), timeout_s=30)
         # One ingress records its turn's hold; it sees it at once, the other through the feed.
-        recorded = mirrors[0].record_hold("r1", conv, params, time.time() + 3600, 12)
+        recorded = mirrors[0].record_hold("r1", conv, hold, time.time() + 3600)
         assert mirrors[0].lookup(conv).get("r1").hold is not None  # before the actor has answered
         await recorded
         await until(lambda: mirrors[1].lookup(conv).get("r1") is not None)
         offers = [m.lookup(conv).get("r1").hold for m in mirrors]
         got = await asyncio.gather(*(m.consume_hold(o.hold_id) for m, o in zip(mirrors, offers, strict=True)))
         assert sorted(g is not None for g in got) == [False, True]
-        assert next(g for g in got if g is not None) == params
+        assert next(g for g in got if g is not None) == hold
         # Both copies forget it: neither offers it again.
         await until(lambda: all(m.lookup(conv).get("r1") is None for m in mirrors))
 
@@ -94,16 +95,16 @@ def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
 
 def test_a_hold_taken_before_the_directory_answered_is_still_handed_out_once(directory: Any) -> None:
     conv = key(range(20))
-    params = hold_params(20)
+    hold = new_hold(20)
 
     async def scenario() -> None:
         mirror = DirectoryMirror(directory, BS)
         mirror.start()
         await until(lambda: mirror.epoch is not None, timeout_s=30)
         # The next turn may plan a pull before the actor has recorded the hold: taking it waits for that answer.
-        mirror.record_hold("r1", conv, params, time.time() + 3600, 20)
+        mirror.record_hold("r1", conv, hold, time.time() + 3600)
         offer = mirror.lookup(conv).get("r1").hold
-        assert await mirror.consume_hold(offer.hold_id) == params
+        assert await mirror.consume_hold(offer.hold_id) == hold
         assert await mirror.consume_hold(offer.hold_id) is None
         at_actor = (await directory.lookup.remote(conv)).get("r1")
         assert at_actor is None or at_actor.hold is None  # the actor handed it out, once
@@ -120,7 +121,7 @@ def test_a_mirror_resyncs_after_the_directory_restarts(ray_cluster: Any, directo
         mirror = DirectoryMirror(directory, BS)
         mirror.start()
         await until(lambda: mirror.epoch is not None, timeout_s=30)
-        await directory.record_hold.remote("r1", conv, hold_params(8), time.time() + 3600)
+        await directory.record_hold.remote("r1", conv, new_hold(8), time.time() + 3600)
         await until(lambda: mirror.lookup(conv).get("r1") is not None)
         epoch = mirror.epoch
         ray.kill(directory, no_restart=False)
@@ -128,7 +129,7 @@ def test_a_mirror_resyncs_after_the_directory_restarts(ray_cluster: Any, directo
         await until(lambda: mirror.epoch not in (None, epoch), timeout_s=60)
         assert mirror.lookup(conv).matches == ()
         assert mirror.resyncs == 2
-        await directory.record_hold.remote("r2", conv, hold_params(8, "e2"), time.time() + 3600)
+        await directory.record_hold.remote("r2", conv, new_hold(8, "e2"), time.time() + 3600)
         await until(lambda: mirror.lookup(conv).get("r2") is not None)
 
     asyncio.run(scenario())

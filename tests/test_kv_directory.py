@@ -26,7 +26,8 @@ from actors.kv_directory.index import KVDirectory
 from actors.kv_directory.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
 from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
-from kvtransfer.types import LookupResult
+from kvtransfer.types import Hold, LookupResult
+from tests.conftest import make_hold
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 A, B = Scope("m", "tenant-a"), Scope("m", "tenant-b")
@@ -40,11 +41,8 @@ class FakeClock:
         return self.now
 
 
-def params(tag: Any, num_tokens: int | None = None) -> dict[str, Any]:
-    p: dict[str, Any] = {"remote_engine_id": f"e-{tag}", "remote_block_ids": [[1, 2, 3]], "tag": tag}
-    if num_tokens is not None:
-        p["remote_num_tokens"] = num_tokens
-    return p
+def hold(tag: Any, num_tokens: int) -> Hold:
+    return make_hold(num_tokens, engine_id=f"e-{tag}")
 
 
 @pytest.fixture
@@ -93,13 +91,13 @@ def test_hashes_are_identical_in_another_process() -> None:
 
 def test_hold_is_offered_for_exact_token_count_including_partial_last_block(directory: KVDirectory) -> None:
     history = directory.key(range(10), A)  # 2 full blocks + 2 tail tokens
-    rec = directory.record_hold("r1", history, params(1), expires_at=2000.0)
+    rec = directory.record_hold("r1", history, hold(1, 10), expires_at=2000.0)
     assert rec.hold_id is not None and rec.new_entries == 2
 
     match = directory.lookup(history.extend([50, 51, 52])).best()
     assert match is not None and match.kind == "hold"
     assert (match.num_tokens, match.cached_tokens) == (10, 8)
-    assert match.hold is not None and match.hold.kv_transfer_params["tag"] == 1
+    assert match.hold is not None and match.hold.hold.engine_id == "e-1"
 
     # Same full blocks, different tail token: the hold does not cover the query, the cached blocks still do.
     other = directory.lookup(directory.key([*range(9), 77, 78], A)).best()
@@ -114,17 +112,17 @@ def test_hold_is_offered_for_exact_token_count_including_partial_last_block(dire
 
 def test_hold_length_comes_from_remote_num_tokens(directory: KVDirectory) -> None:
     key = directory.key(range(12), A)
-    directory.record_hold("r1", key, params(1, num_tokens=11), expires_at=2000.0)
+    directory.record_hold("r1", key, hold(1, 11), expires_at=2000.0)
     match = directory.lookup(key.extend([1])).best()
     assert match is not None and match.hold is not None and match.num_tokens == 11
-    assert directory.record_hold("r1", key, params(2, num_tokens=3), expires_at=2000.0).hold_id is None
+    assert directory.record_hold("r1", key, hold(2, 3), expires_at=2000.0).hold_id is None
 
 
 def test_longest_hold_wins_and_newer_holds_do_not_supersede_older(directory: KVDirectory) -> None:
     turn1 = directory.key(range(9), A)
     turn2 = turn1.extend(range(100, 110))
-    h1 = directory.record_hold("r1", turn1, params(1), expires_at=2000.0).hold_id
-    h2 = directory.record_hold("r1", turn2, params(2), expires_at=2000.0).hold_id
+    h1 = directory.record_hold("r1", turn1, hold(1, 9), expires_at=2000.0).hold_id
+    h2 = directory.record_hold("r1", turn2, hold(2, 19), expires_at=2000.0).hold_id
     match = directory.lookup(turn2.extend([7])).best()
     assert match is not None and match.hold is not None and match.hold.hold_id == h2
     # A regenerated turn 2 diverges inside turn 2: turn 1's hold is still offered.
@@ -136,7 +134,7 @@ def test_longest_hold_wins_and_newer_holds_do_not_supersede_older(directory: KVD
 
 def test_expired_hold_is_never_returned(directory: KVDirectory, clock: FakeClock) -> None:
     key = directory.key(range(8), A)
-    hold_id = directory.record_hold("r1", key, params(1), expires_at=clock.now + 60).hold_id
+    hold_id = directory.record_hold("r1", key, hold(1, 8), expires_at=clock.now + 60).hold_id
     assert hold_id is not None
     clock.now += 54.9
     assert directory.lookup(key).best() is not None
@@ -144,15 +142,15 @@ def test_expired_hold_is_never_returned(directory: KVDirectory, clock: FakeClock
     assert directory.lookup(key).matches == ()
     assert directory.consume_hold(hold_id) is None
     assert directory.stats().holds_expired == 1 and directory.stats().entries == 0
-    assert directory.record_hold("r1", key, params(2), expires_at=clock.now + 4).hold_id is None
+    assert directory.record_hold("r1", key, hold(2, 8), expires_at=clock.now + 4).hold_id is None
     directory.check_integrity()
 
 
 def test_hold_is_single_use(directory: KVDirectory) -> None:
     key = directory.key(range(8), A)
-    hold_id = directory.record_hold("r1", key, params(1), expires_at=2000.0).hold_id
+    hold_id = directory.record_hold("r1", key, hold(1, 8), expires_at=2000.0).hold_id
     assert hold_id is not None
-    assert directory.consume_hold(hold_id) == params(1)
+    assert directory.consume_hold(hold_id) == hold(1, 8)
     assert directory.consume_hold(hold_id) is None
     assert directory.lookup(key).matches == ()
     directory.check_integrity()
@@ -160,7 +158,7 @@ def test_hold_is_single_use(directory: KVDirectory) -> None:
 
 def test_tenants_and_models_are_isolated(directory: KVDirectory) -> None:
     tokens = list(range(16))
-    directory.record_hold("r1", directory.key(tokens, A), params(1), expires_at=2000.0)
+    directory.record_hold("r1", directory.key(tokens, A), hold(1, 16), expires_at=2000.0)
     assert directory.lookup(tokens, B).matches == ()
     assert directory.lookup(tokens, Scope("other-model", "tenant-a")).matches == ()
     assert directory.lookup(tokens, A).best() is not None
@@ -168,8 +166,8 @@ def test_tenants_and_models_are_isolated(directory: KVDirectory) -> None:
 
 def test_drop_replica_removes_everything_of_it(directory: KVDirectory) -> None:
     key = directory.key(range(16), A)
-    directory.record_hold("r1", key, params(1), expires_at=2000.0)
-    directory.record_hold("r2", key, params(2), expires_at=2000.0)
+    directory.record_hold("r1", key, hold(1, 16), expires_at=2000.0)
+    directory.record_hold("r2", key, hold(2, 16), expires_at=2000.0)
     directory.apply_resident("r1", [StoreResident(None, key.block_hashes)])
     assert directory.drop_replica("r1") == 2
     result = directory.lookup(key)
@@ -209,9 +207,9 @@ def test_bounded_by_entries_with_lru_eviction(clock: FakeClock) -> None:
     directory = KVDirectory(4, max_entries=10, clock=clock)
     keys = [directory.key([i] * 16, A) for i in range(5)]  # 4 blocks each
     for i, key in enumerate(keys[:2]):
-        directory.record_hold(f"r{i}", key, params(i), expires_at=2000.0)
+        directory.record_hold(f"r{i}", key, hold(i, 16), expires_at=2000.0)
     directory.lookup(keys[0])  # keys[0] is now the most recently used
-    rec = directory.record_hold("r2", keys[2], params(2), expires_at=2000.0)
+    rec = directory.record_hold("r2", keys[2], hold(2, 16), expires_at=2000.0)
     assert rec.evicted_chains == 1
     assert directory.lookup(keys[1]).matches == () and directory.lookup(keys[0]).best() is not None
     assert directory.stats().entries <= 10
@@ -220,7 +218,7 @@ def test_bounded_by_entries_with_lru_eviction(clock: FakeClock) -> None:
 
 def test_bounded_by_bytes(clock: FakeClock) -> None:
     directory = KVDirectory(4, max_bytes=20_000, clock=clock)
-    big = {"remote_block_ids": [list(range(200))]}
+    big = make_hold(8, block_ids=[list(range(200))])
     for i in range(20):
         directory.record_hold("r1", directory.key([i] * 8, A), big, expires_at=2000.0)
         assert directory.stats().bytes <= 20_000
@@ -241,10 +239,10 @@ class BruteForce:
     """The directory's contract, computed by scanning everything."""
 
     def __init__(self) -> None:
-        self.holds: dict[int, tuple[str, Scope, tuple[int, ...], dict[str, Any], float]] = {}
+        self.holds: dict[int, tuple[str, Scope, tuple[int, ...], Hold, float]] = {}
         self.flags: dict[str, set[tuple[Scope, tuple[int, ...]]]] = {r: set() for r in REPLICAS}
 
-    def alive(self, now: float) -> dict[int, tuple[str, Scope, tuple[int, ...], dict[str, Any], float]]:
+    def alive(self, now: float) -> dict[int, tuple[str, Scope, tuple[int, ...], Hold, float]]:
         return {i: h for i, h in self.holds.items() if now < h[4] - MARGIN}
 
     def held_structurally(self, replica: str, scope: Scope, prefix: tuple[int, ...]) -> bool:
@@ -322,14 +320,14 @@ class DirectoryMachine(RuleBasedStateMachine):
     def record_hold(self, replica, scope, pick, extra, cut, ttl) -> None:
         seq = self._seq(pick, extra, cut)
         expires = self.clock.now + ttl
-        rec = self.directory.record_hold(replica, PrefixKey.build(seq, scope, BS), params(seq), expires)
+        rec = self.directory.record_hold(replica, PrefixKey.build(seq, scope, BS), hold(seq, len(seq)), expires)
         keep = len(seq) >= BS and self.clock.now < expires - MARGIN
         if not self.bounded:
             assert (rec.hold_id is not None) == keep
         if rec.hold_id is not None:
             assert keep
             self.hold_ids.append(rec.hold_id)
-            self.model.holds[rec.hold_id] = (replica, scope, seq, params(seq), expires)
+            self.model.holds[rec.hold_id] = (replica, scope, seq, hold(seq, len(seq)), expires)
 
     @rule(
         replica=st.sampled_from(REPLICAS),

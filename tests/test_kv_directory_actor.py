@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from actors.kv_directory.results import ClearResident, DirectoryStats, ResidentResult, StoreResident
 from actors.prefix_hash import PrefixKey, Scope
 from kvtransfer.types import LookupResult
-from tests.conftest import DIRECTORY_BLOCK_SIZE
+from tests.conftest import DIRECTORY_BLOCK_SIZE, make_hold
 
 T = TypeVar("T")
 SCOPE = Scope("m", "tenant-a")
@@ -42,7 +42,7 @@ async def retry(call: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
 def test_record_lookup_consume_through_ray(directory: Any) -> None:
     async def scenario() -> None:
         history = key(range(10))
-        rec = await directory.record_hold.remote("r1", history, {"remote_engine_id": "e1"}, far_future())
+        rec = await directory.record_hold.remote("r1", history, make_hold(10, "e1"), far_future())
         result = await directory.lookup.remote(history.extend([1, 2, 3]))
         assert isinstance(result, LookupResult)
         best = result.best()
@@ -50,7 +50,7 @@ def test_record_lookup_consume_through_ray(directory: Any) -> None:
         # Raw token ids work too (the actor hashes them).
         raw = await directory.lookup.remote(list(range(10)), SCOPE)
         assert raw.best() == best
-        assert await directory.consume_hold.remote(rec.hold_id) == {"remote_engine_id": "e1"}
+        assert await directory.consume_hold.remote(rec.hold_id) == make_hold(10, "e1")
         assert await directory.consume_hold.remote(rec.hold_id) is None
         stats = await directory.stats.remote()
         assert isinstance(stats, DirectoryStats) and stats.holds == 0 and stats.lookups == 2
@@ -66,7 +66,7 @@ def test_many_concurrent_callers(directory: Any) -> None:
         # Records, lookups and resident updates from many callers at once, interleaved.
         calls: list[Awaitable[Any]] = []
         for c, conv in enumerate(conversations):
-            calls.append(directory.record_hold.remote(f"r{c % 4}", conv, {"c": c}, far_future()))
+            calls.append(directory.record_hold.remote(f"r{c % 4}", conv, make_hold(24, f"e{c}"), far_future()))
             calls.append(directory.lookup.remote(conv.extend([7])))
             calls.append(directory.apply_resident.remote(f"r{(c + 1) % 4}", [StoreResident(None, conv.block_hashes)]))
         await asyncio.gather(*calls)
@@ -93,7 +93,7 @@ def test_restart_comes_back_empty_and_replicas_re_report(ray_cluster: Any, direc
 
     async def scenario() -> None:
         before = await directory.stats.remote()
-        await directory.record_hold.remote("r1", conv, {"x": 1}, far_future())
+        await directory.record_hold.remote("r1", conv, make_hold(16), far_future())
         await directory.apply_resident.remote("r2", [StoreResident(None, conv.block_hashes)])
         assert len((await directory.lookup.remote(conv)).matches) == 2
 

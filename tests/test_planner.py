@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from app.turns import preferred_replica
-from kvtransfer.connector import is_hold, pull_params, release_params
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, Policy, ReplicaView, plan_turn
-from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
+from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
+from tests.conftest import make_hold
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "head_dim": 64}
@@ -26,7 +26,7 @@ def calibrated(prefill_ms_per_token: float = 0.3, pull_fixed_ms: float = 8.0, gb
 
 
 def hold(replica: str, tokens: int, hold_id: int = 1) -> HoldOffer:
-    return HoldOffer(hold_id, replica, tokens, 1e12, {"remote_num_tokens": tokens})
+    return HoldOffer(hold_id, replica, tokens, 1e12, make_hold(tokens, f"e-{replica}"))
 
 
 def lookup(n: int, *matches: ReplicaMatch) -> LookupResult:
@@ -126,13 +126,16 @@ def test_session_hint_breaks_ties_and_moves_minimally():
 def test_hold_params_are_rewritten_for_a_pull_and_for_a_release():
     exported = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
                 "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 5600,
-                "remote_num_tokens": 40, "remote_request_id": "x"}
-    assert is_hold(exported)
-    pull = pull_params(exported)
+                "remote_num_tokens": 40, "remote_request_id": "x", "remote_blocks_expiry_time": None, "tp_size": 1}
+    hold = Hold.from_params(exported)
+    assert hold is not None and (hold.engine_id, hold.num_tokens) == ("e", 40)
+    pull = hold.pull_params()
     assert (pull["do_remote_prefill"], pull["do_remote_decode"]) == (False, True)
-    assert release_params(pull)["do_remote_prefill"] is True
-    with pytest.raises(ValueError):
-        pull_params({"do_remote_decode": True})
+    assert {k: v for k, v in pull.items() if not k.startswith("do_")} == {
+        k: v for k, v in exported.items() if not k.startswith("do_")}
+    assert hold.release_params()["do_remote_prefill"] is True
+    assert hold.decode_params() == exported  # P/D: the decode replica gets the hold as it was exported
+    assert Hold.from_params({"do_remote_decode": True}) is None
 
 
 def test_baseline_policies_place_turns_by_their_own_rules():

@@ -14,7 +14,6 @@ import uuid
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, Sampling
 from configs.engine import EngineConfig, NixlSettings
-from kvtransfer.connector import pull_params
 from tests.conftest import ServedApp, collect
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -87,21 +86,21 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
         rng = random.Random(5)
         prompt = user_tokens(rng, 200)
 
-        def generate(r: EngineReplica, ids: list[int], params=None, own_kv_only=False):
+        def generate(r: EngineReplica, ids: list[int], pull=None, own_kv_only=False):
             req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=Sampling(**GREEDY),
-                                  kv_transfer_params=params, export_hold=not own_kv_only,
+                                  pull=pull, export_hold=not own_kv_only,
                                   skip_prefix_cache=own_kv_only)
             return loop_thread.run(collect(r.generate(req)))
 
         turn1 = generate(holder, prompt)
-        hold = turn1[-1].kv_transfer_params
+        hold = turn1[-1].hold
         out1 = [t for d in turn1 for t in d.token_ids]
-        assert hold["remote_num_tokens"] == len(prompt) + len(out1) - 1
+        assert hold.num_tokens == len(prompt) + len(out1) - 1
         follow_up = prompt + out1 + user_tokens(rng, 20)
-        pulled = generate(puller, follow_up, pull_params(hold))
+        pulled = generate(puller, follow_up, pull=hold)
         # The puller's prefix cache now holds the pulled blocks: compute its own answer from scratch.
         own = generate(puller, follow_up, own_kv_only=True)
-        assert pulled[-1].num_cached_tokens == hold["remote_num_tokens"]
+        assert pulled[-1].num_cached_tokens == hold.num_tokens
         assert [t for d in pulled for t in d.token_ids] != [t for d in own for t in d.token_ids]
     finally:
         holder.engine.shutdown()

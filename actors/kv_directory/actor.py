@@ -13,7 +13,7 @@ from actors.kv_directory.results import DirectoryStats, RecordResult, ResidentOp
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
-from kvtransfer.types import LookupResult
+from kvtransfer.types import Hold, LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -65,27 +65,19 @@ class KVDirectoryActor:
         return self._directory.lookup(query, scope)
 
     async def record_hold(
-        self,
-        replica_id: str,
-        key: PrefixKey | Sequence[int],
-        kv_transfer_params: dict[str, Any],
-        expires_at: float,
-        num_tokens: int | None = None,
-        scope: Scope | None = None,
+        self, replica_id: str, key: PrefixKey | Sequence[int], hold: Hold, expires_at: float, scope: Scope | None = None
     ) -> RecordResult:
-        result = self._directory.record_hold(
-            replica_id, key, kv_transfer_params, expires_at, num_tokens=num_tokens, scope=scope
-        )
+        result = self._directory.record_hold(replica_id, key, hold, expires_at, scope=scope)
         if result.hold_id is not None:
             key = self._directory._as_key(key, scope)
-            self._log.append(("hold", replica_id, key, kv_transfer_params, expires_at, num_tokens, result.hold_id))
+            self._log.append(("hold", replica_id, key, hold, expires_at, result.hold_id))
         return result
 
-    async def consume_hold(self, hold_id: int) -> dict[str, Any] | None:
-        params = self._directory.consume_hold(hold_id)
-        if params is not None:
+    async def consume_hold(self, hold_id: int) -> Hold | None:
+        hold = self._directory.consume_hold(hold_id)
+        if hold is not None:
             self._log.append(("consume", hold_id))
-        return params
+        return hold
 
     async def apply_resident(self, replica_id: str, ops: list[ResidentOp]) -> ResidentResult:
         result = self._directory.apply_resident(replica_id, ops)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import Any
 
 from actors.kv_directory.chains import ChainIndex, H
 from actors.kv_directory.records import HOLD_BYTES, REF_BITS, HoldRecord, Node, ReplicaRecord, alloc, deep_size
 from actors.kv_directory.results import RecordResult
 from actors.prefix_hash import TOKEN_BYTES, BlockHash, PrefixKey, Scope
-from kvtransfer.types import HoldOffer
+from kvtransfer.types import Hold, HoldOffer
 
 # NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.
 _tuple_new = tuple.__new__
@@ -29,23 +28,19 @@ class HoldIndex(ChainIndex):
         self,
         replica_id: str,
         key: PrefixKey | Sequence[int],
-        kv_transfer_params: dict[str, Any],
+        hold: Hold,
         expires_at: float,
         *,
-        num_tokens: int | None = None,
         scope: Scope | tuple[str, str] | None = None,
     ) -> RecordResult:
-        """Record that `replica_id` exported the KV of the first `num_tokens` tokens of `key`.
+        """Record that `replica_id` exported `hold`, the KV of the first `hold.num_tokens` tokens of `key`.
 
-        `num_tokens` defaults to the params' `remote_num_tokens`, else the whole key. `expires_at` is in
-        this directory's clock (wall time by default). Holds without a full block are not kept: a pull
-        would never beat recomputing them.
+        `expires_at` is in this directory's clock (wall time by default). Holds without a full block are not
+        kept: a pull would never beat recomputing them.
         """
         key = self._as_key(key, scope)
         now = self._purge_expired()
-        if num_tokens is None:
-            remote = kv_transfer_params.get("remote_num_tokens")
-            num_tokens = key.num_tokens if remote is None else int(remote)
+        num_tokens = hold.num_tokens
         if not 0 <= num_tokens <= key.num_tokens:
             raise ValueError(f"num_tokens={num_tokens} is outside the key's {key.num_tokens} tokens")
         full = num_tokens // self.block_size
@@ -55,18 +50,17 @@ class HoldIndex(ChainIndex):
         hold_id = self._next_chain_id
         self._next_chain_id += 1
         tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
-        params = dict(kv_transfer_params)
-        nbytes = HOLD_BYTES + alloc(tail) + deep_size(params)
+        nbytes = HOLD_BYTES + alloc(tail) + deep_size(hold)
         end = key.block_hash(full - 1)
-        hold = HoldRecord(hold_id, rep.index, end, num_tokens, tail, params, expires_at, nbytes)
+        record = HoldRecord(hold_id, rep.index, end, num_tokens, tail, hold, expires_at, nbytes)
         created = self._acquire_hold(key.hashes, full, rep.index)
         node = self._nodes[end]
         if node.ends is None:
-            node.ends = [hold]
+            node.ends = [record]
         else:
-            node.ends.append(hold)
-        self._holds[hold_id] = hold
-        self._lru[hold_id] = hold
+            node.ends.append(record)
+        self._holds[hold_id] = record
+        self._lru[hold_id] = record
         rep.holds.add(hold_id)
         heapq.heappush(self._expiry, (expires_at, hold_id))
         self._bytes += nbytes
@@ -94,15 +88,15 @@ class HoldIndex(ChainIndex):
             key, i = parent, i - 1
         return created
 
-    def consume_hold(self, hold_id: int) -> dict[str, Any] | None:
-        """The hold's kv_transfer_params, once: the hold is gone afterwards. None if expired or unknown."""
+    def consume_hold(self, hold_id: int) -> Hold | None:
+        """The hold, once: it is gone from the directory afterwards. None if expired or unknown."""
         self._purge_expired()
-        hold = self._holds.get(hold_id)
-        if hold is None:
+        record = self._holds.get(hold_id)
+        if record is None:
             return None
-        self._remove_hold(hold)
+        self._remove_hold(record)
         self._holds_consumed += 1
-        return hold.params
+        return record.hold
 
     def _offerable(self, expires_at: float, now: float) -> bool:
         return now < expires_at - self.expiry_margin_s
@@ -174,7 +168,7 @@ class HoldIndex(ChainIndex):
                 if best is not None:
                     best.used = True
                     self._hold_offers += 1
-                    offer = (best.hold_id, rep.replica_id, best.num_tokens, best.expires_at, best.params)
+                    offer = (best.hold_id, rep.replica_id, best.num_tokens, best.expires_at, best.hold)
                     return _tuple_new(HoldOffer, offer)
             k -= 1
             if k:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from actors.prefix_hash import HASH_BYTES, BlockHash
+from kvtransfer.types import Hold
 
 REF_BITS = 32  # per-replica reference counts are packed into one int, 32 bits per replica
 REF_MASK = (1 << REF_BITS) - 1
@@ -39,7 +40,7 @@ class Node:
 class HoldRecord:
     """One recorded hold: its replica, the node its full blocks end at, its partial last block's tokens."""
 
-    __slots__ = ("hold_id", "replica", "end", "num_tokens", "tail", "params", "expires_at", "nbytes", "used")
+    __slots__ = ("hold_id", "replica", "end", "num_tokens", "tail", "hold", "expires_at", "nbytes", "used")
 
     def __init__(
         self,
@@ -48,7 +49,7 @@ class HoldRecord:
         end: BlockHash,
         num_tokens: int,
         tail: bytes,
-        params: dict[str, Any],
+        hold: Hold | None,
         expires_at: float,
         nbytes: int,
     ) -> None:
@@ -57,7 +58,7 @@ class HoldRecord:
         self.end = end
         self.num_tokens = num_tokens
         self.tail = tail
-        self.params = params
+        self.hold = hold
         self.expires_at = expires_at
         self.nbytes = nbytes
         self.used = False  # offered since it last reached the LRU's old end (second-chance LRU)
@@ -98,7 +99,7 @@ def alloc(obj: Any) -> int:
 
 
 def deep_size(obj: Any, _depth: int = 0) -> int:
-    """Approximate bytes of a kv_transfer_params-like value (dicts, lists, scalars).
+    """Approximate bytes of a `Hold` and what it refers to (dicts, lists, scalars).
 
     Small ints and dict keys are shared (cached or interned) and not counted.
     """
@@ -107,6 +108,8 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
     size = alloc(obj)
     if _depth > 4:
         return size
+    if isinstance(obj, Hold):
+        return size + sum(deep_size(getattr(obj, name), _depth + 1) for name in Hold.__slots__)
     if isinstance(obj, dict):
         return size + sum(deep_size(v, _depth + 1) for v in obj.values())
     if isinstance(obj, list | tuple):
@@ -118,7 +121,7 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
 # in the entries table plus index space, at the table's load between one third and two thirds.
 _DICT_SLOT_BYTES = 56
 NODE_BYTES = alloc(Node(None)) + alloc(b"\0" * HASH_BYTES) + _DICT_SLOT_BYTES
-HOLD_BYTES = alloc(HoldRecord(0, 0, b"", 0, b"", {}, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
+HOLD_BYTES = alloc(HoldRecord(0, 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
 SEGMENT_BYTES = alloc(Segment(0, 0, None)) + alloc([]) + 2 * _DICT_SLOT_BYTES
 RESIDENT_BYTES = _DICT_SLOT_BYTES + 8
 
