@@ -1,8 +1,9 @@
-"""The engine replica: one vLLM `AsyncLLM` with fast prefill and a bidirectional NIXL connector.
+"""The engine replica, as Serve sees it: one vLLM `AsyncLLM` behind `generate`, `release_hold`, tokenizing and stats.
 
-`EngineReplica` is a plain class; `app/builder.py` wraps it with `serve.deployment`, and tests or
-benchmarks may also construct it directly inside one process. vLLM is imported only when an engine
-starts, so importing this module is cheap.
+`EngineReplica` is a plain class; `app/builder.py` wraps it with `serve.deployment`, and tests or benchmarks may
+also construct it directly inside one process. Where its engine runs is `actors/engine_site.py`, starting it
+`actors/vllm_engine.py`, its load figures `actors/engine_stats.py`, its reports to the KV directory
+`actors/directory_reporter.py`. vLLM is imported only when an engine starts, so importing this module is cheap.
 """
 
 from __future__ import annotations
@@ -10,18 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import tempfile
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 from actors.directory_reporter import DirectoryReporter
+from actors.engine_site import choose_site
+from actors.engine_stats import EngineStats
 from actors.replica_api import (
-    KV_CACHE_USAGE,
-    ONGOING_REQUESTS,
-    TTFT_MS,
     AttentionGroupInfo,
     GenerateDelta,
     GenerateRequest,
@@ -30,44 +28,13 @@ from actors.replica_api import (
     ReplicaIdentity,
     ReplicaStats,
 )
-from actors.vllm_engine import (
-    EngineSite,
-    HoldStepper,
-    check_platform_limits,
-    choose_cores,
-    engine_process_ids,
-    quiet_holds,
-    start_engine,
-)
+from actors.vllm_engine import HoldStepper, check_platform_limits, engine_process_ids, quiet_holds, start_engine
 from configs.engine import EngineConfig
 from configs.model_store import ensure_model
 from kvtransfer.connector import export_params
 from kvtransfer.types import Hold
 
 logger = logging.getLogger(__name__)
-
-# ipc socket files of the engines' KV event publishers.
-_EVENTS_DIR = tempfile.gettempdir()
-
-
-class RateMeter:
-    """Exponential moving average of a tokens-per-second rate. Not thread-safe (one event loop)."""
-
-    def __init__(self, alpha: float = 0.3) -> None:
-        self.alpha = alpha
-        self.value: float | None = None
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
-        self.value = rate if self.value is None else (1 - self.alpha) * self.value + self.alpha * rate
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _replica_context() -> tuple[str, int, str]:
@@ -97,7 +64,6 @@ class EngineReplica:
     """One vLLM engine. Methods are coroutines run on the replica's single event loop."""
 
     HEARTBEAT_S = 0.5
-    TTFT_WINDOW_S = 10.0
 
     def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None) -> None:
         """Start the engine. With `directory` (a handle to the KV directory deployment), report identity, load
@@ -111,31 +77,13 @@ class EngineReplica:
 
         device_type = current_platform.device_type
         nixl = self.config.nixl
-        nixl_host = (nixl.side_channel_host or node_ip) if nixl.enabled else None
-        self.site = EngineSite(
-            engine_id=self.engine_id,
-            cpu_cores=choose_cores(self.config, local_rank) if current_platform.is_cpu() else None,
-            nixl_host=nixl_host,
-            nixl_port=(nixl.side_channel_port or _free_port(nixl_host)) if nixl_host else None,
-            # The forwarder runs in this process: the engine publishes on this host's ipc sockets.
-            events_endpoints=(
-                (f"ipc://{_EVENTS_DIR}/{self.engine_id}.pub", f"ipc://{_EVENTS_DIR}/{self.engine_id}.replay")
-                if directory is not None and self.config.enable_prefix_caching
-                else None
-            ),
+        self.site = choose_site(
+            self.config, self.engine_id, local_rank, node_ip, current_platform.is_cpu(), directory is not None
         )
         self.model_path = ensure_model(self.config.model)
         check_platform_limits(self.config, self.model_path, device_type)
-        self._scheduler_stats: Any = None
-        self._prefix_cache: Any = None
-        self._prefill_rate = RateMeter()
-        self._decode_rate = RateMeter()
-        self._finished = 0
-        self._ongoing = 0
-        self._started = 0
-        # (monotonic finish time, TTFT ms) of recent requests, for the autoscaling policy.
-        self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=512)
-        self.engine = start_engine(self.config, self.model_path, self.site, device_type, self._make_stat_logger)
+        self.load = EngineStats()
+        self.engine = start_engine(self.config, self.model_path, self.site, device_type, self.load.stat_logger)
         self.engine_pids = engine_process_ids(self.engine)
         self._hold_stepper = None
         if quiet_holds(self.config, device_type):
@@ -154,29 +102,6 @@ class EngineReplica:
     @property
     def cpu_cores(self) -> list[int] | None:
         return self.site.cpu_cores
-
-    def _make_stat_logger(self, vllm_config: Any, engine_index: int = 0) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-        from vllm.v1.metrics.stats import CachingMetrics
-
-        replica = self
-        replica._prefix_cache = CachingMetrics()
-
-        class _ReplicaStatLogger(StatLoggerBase):
-            """Keeps the engine's latest scheduler stats on the replica (vLLM calls it every step)."""
-
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-                if scheduler_stats is not None:
-                    replica._scheduler_stats = scheduler_stats
-                    replica._prefix_cache.observe(scheduler_stats.prefix_cache_stats)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _ReplicaStatLogger(vllm_config, engine_index)
 
     # ----------------------------------------------------------------------------- serving
 
@@ -260,17 +185,14 @@ class EngineReplica:
         stream = self.engine.generate(prompt, params, request.request_id)
         # Whether this request had the engine to itself until its first token: only then do its timings
         # measure the model and the link rather than whatever else was batched with it.
-        alone = self._ongoing == 0
-        self._ongoing += 1
-        self._started += 1
-        started_as = self._started
+        alone, started_as = self.load.request_started()
         try:
             async for out in stream:
                 completion_out = out.outputs[0]
                 now = time.monotonic()
                 if first_token_at is None and completion_out.token_ids:
                     first_token_at = now
-                    alone = alone and self._started == started_as
+                    alone = alone and not self.load.started_since(started_as)
                 prompt_tokens = len(out.prompt_token_ids or ())
                 cached = out.num_cached_tokens or 0
                 completion += len(completion_out.token_ids)
@@ -289,7 +211,7 @@ class EngineReplica:
                     delta.num_cached_tokens = cached
                     delta.hold = Hold.from_params(out.kv_transfer_params)
                     delta.ran_alone = alone and first_token_at is not None
-                    delta.prefill_s = self._observe_speeds(out, started, first_token_at, now, completion, alone)
+                    delta.prefill_s = self.load.observe_finished(out, started, first_token_at, now, completion, alone)
                     metrics = out.metrics
                     if metrics is not None and metrics.scheduled_ts and metrics.queued_ts:
                         delta.wait_s = metrics.scheduled_ts - metrics.queued_ts
@@ -300,35 +222,10 @@ class EngineReplica:
             # vLLM validates on admission (e.g. a prompt longer than the context) with ValueError subclasses.
             raise InvalidRequestError(str(exc)) from exc
         finally:
-            self._ongoing -= 1
-
-    def _observe_speeds(
-        self, out: Any, started: float, first_token_at: float | None, finished_at: float, completion: int,
-        alone: bool,
-    ) -> float | None:
-        """Feed this request's prefill and decode timings to the rate meters; returns prefill seconds."""
-        self._finished += 1
-        if first_token_at is None:
-            return None
-        self._recent_ttft.append((finished_at, (first_token_at - started) * 1e3))
-        metrics = out.metrics
-        if metrics is not None and metrics.scheduled_ts and metrics.first_token_ts:
-            prefill_s = metrics.first_token_ts - metrics.scheduled_ts
-        else:
-            prefill_s = first_token_at - started
-        computed = len(out.prompt_token_ids or ()) - (out.num_cached_tokens or 0)
-        # Very short prefills measure scheduling overhead, not the model's speed.
-        if computed >= 32 and alone:
-            self._prefill_rate.observe(computed, prefill_s)
-        if completion > 1:
-            self._decode_rate.observe(completion - 1, finished_at - first_token_at)
-        return prefill_s
+            self.load.request_ended()
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.engine.get_tokenizer().encode(text, add_special_tokens=add_special_tokens))
-
-    async def detokenize(self, token_ids: list[int]) -> str:
-        return self.engine.get_tokenizer().decode(token_ids)
 
     async def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -373,38 +270,11 @@ class EngineReplica:
         return self._stats_now()
 
     def _stats_now(self) -> ReplicaStats:
-        s = self._scheduler_stats
-        # The scheduler's counts are as of its last step, which may be long ago on an idle engine; the
-        # replica's own count of requests in flight is exact, so it bounds both.
-        waiting = min((s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s else 0, self._ongoing)
-        return ReplicaStats(
-            replica_id=self.replica_id,
-            pool=self.pool,
-            node_id=self.node_id,
-            at=time.time(),
-            running=self._ongoing - waiting,
-            waiting=waiting,
-            kv_cache_usage=s.kv_cache_usage if s else 0.0,
-            prefix_cache_hit_rate=self._prefix_cache.hit_rate,
-            prefill_tok_s=self._prefill_rate.value,
-            decode_tok_s=self._decode_rate.value,
-            requests_finished=self._finished,
-        )
+        return self.load.replica_stats(self.replica_id, self.pool, self.node_id)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it.
-
-        ongoing_requests: requests inside this replica now; kv_cache_usage: the engine's KV cache in use (0-1);
-        ttft_ms: the 90th percentile time to first token of requests finished in the last TTFT_WINDOW_S (0 if none).
-        """
-        now = time.monotonic()
-        recent = sorted(ms for at, ms in self._recent_ttft if now - at <= self.TTFT_WINDOW_S)
-        s = self._scheduler_stats
-        return {
-            ONGOING_REQUESTS: float(self._ongoing),
-            KV_CACHE_USAGE: float(s.kv_cache_usage) if s else 0.0,
-            TTFT_MS: recent[int(0.9 * (len(recent) - 1))] if recent else 0.0,
-        }
+        """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it."""
+        return self.load.autoscaling()
 
     async def attention_groups(self) -> list[AttentionGroupInfo]:
         """Attention groups of the live worker (rank 0), read through vLLM's collective RPC."""

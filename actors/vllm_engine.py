@@ -1,77 +1,21 @@
-"""Starting a replica's vLLM engine: its cores, its processes' environment, its arguments, and its clock for holds.
+"""Starting a replica's vLLM engine: the platform's limits, its arguments, its processes, and its clock for holds.
 
-`start_engine` turns an `EngineConfig` into a running `AsyncLLM`; `HoldStepper` keeps that engine stepping,
-slowly, while it may hold exported blocks (see `actors/lean_engine.py`). vLLM is imported only inside the
-functions, so importing this module is cheap.
+`start_engine` turns an `EngineConfig` and an `EngineSite` (`actors/engine_site.py`) into a running `AsyncLLM`;
+`HoldStepper` keeps that engine stepping, slowly, while it may hold exported blocks (see `actors/lean_engine.py`).
+vLLM is imported only inside the functions, so importing this module is cheap.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from actors.engine_site import EngineSite, engine_process_env
 from configs.engine import CPU_HEAD_SIZES, EngineConfig
 from kvtransfer.connector import kv_transfer_config
-
-_QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
-
-
-@dataclass(frozen=True)
-class EngineSite:
-    """Where one engine runs: its id, its cores (CPU only), its NIXL side channel, its KV event endpoints."""
-
-    engine_id: str
-    cpu_cores: list[int] | None
-    nixl_host: str | None
-    nixl_port: int | None
-    # (publish, replay) ZMQ endpoints of vLLM's KV cache events, or None when nothing listens to them.
-    events_endpoints: tuple[str, str] | None
-
-
-def choose_cores(config: EngineConfig, local_rank: int) -> list[int]:
-    """The cores a replica with this local rank binds its model threads to (from the cores Ray gives it)."""
-    cores = sorted(os.sched_getaffinity(0))
-    threads = config.cpu_threads
-    first = (config.cpu_core_offset + local_rank * threads) % len(cores)
-    return [cores[(first + i) % len(cores)] for i in range(threads)]
-
-
-@contextlib.contextmanager
-def engine_process_env(site: EngineSite) -> Iterator[None]:
-    """Environment the engine's processes inherit while they are spawned; this process's is restored after.
-
-    vLLM's multiprocessing executor binds a worker's OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND). With the
-    model in the engine-core process nothing in vLLM does, so this sets what that executor would set for a
-    worker: the OpenMP master thread (the engine loop) and every thread it starts later stay on the replica's
-    cores. The NIXL connector reads its side channel from the environment in those processes.
-    """
-    env = dict(_QUIET_ENV)
-    if site.cpu_cores is not None:
-        cores = [str(c) for c in site.cpu_cores]
-        env |= {
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(cores),
-            "OMP_NUM_THREADS": str(len(cores)),
-            "GOMP_CPU_AFFINITY": " ".join(cores),
-            "KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{','.join(cores)}]",
-        }
-    if site.nixl_host is not None:
-        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": site.nixl_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(site.nixl_port)}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def check_platform_limits(config: EngineConfig, model_path: Path, device_type: str) -> None:

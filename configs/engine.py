@@ -1,7 +1,7 @@
 """Pydantic configuration of one vLLM engine replica: model, cache, fast prefill and NIXL settings.
 
 Validators reject an impossible engine before any Ray actor starts. Nothing here imports vLLM; the
-replica turns this into `AsyncEngineArgs` (see `actors/engine_replica.py`).
+replica turns this into `AsyncEngineArgs` (see `actors/vllm_engine.py`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""Where a replica's engine runs: its cores, its NIXL side channel, its KV event endpoints, and the environment
+its processes inherit while they are spawned."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from configs.engine import EngineConfig
+
+# ipc socket files of the engines' KV event publishers.
+_EVENTS_DIR = tempfile.gettempdir()
+_QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class EngineSite:
+    """Where one engine runs: its id, its cores (CPU only), its NIXL side channel, its KV event endpoints."""
+
+    engine_id: str
+    cpu_cores: list[int] | None
+    nixl_host: str | None
+    nixl_port: int | None
+    # (publish, replay) ZMQ endpoints of vLLM's KV cache events, or None when nothing listens to them.
+    events_endpoints: tuple[str, str] | None
+
+
+def choose_cores(config: EngineConfig, local_rank: int) -> list[int]:
+    """The cores a replica with this local rank binds its model threads to (from the cores Ray gives it)."""
+    cores = sorted(os.sched_getaffinity(0))
+    threads = config.cpu_threads
+    first = (config.cpu_core_offset + local_rank * threads) % len(cores)
+    return [cores[(first + i) % len(cores)] for i in range(threads)]
+
+
+@contextlib.contextmanager
+def engine_process_env(site: EngineSite) -> Iterator[None]:
+    """Environment the engine's processes inherit while they are spawned; this process's is restored after.
+
+    vLLM's multiprocessing executor binds a worker's OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND). With the
+    model in the engine-core process nothing in vLLM does, so this sets what that executor would set for a
+    worker: the OpenMP master thread (the engine loop) and every thread it starts later stay on the replica's
+    cores. The NIXL connector reads its side channel from the environment in those processes.
+    """
+    env = dict(_QUIET_ENV)
+    if site.cpu_cores is not None:
+        cores = [str(c) for c in site.cpu_cores]
+        env |= {
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(cores),
+            "OMP_NUM_THREADS": str(len(cores)),
+            "GOMP_CPU_AFFINITY": " ".join(cores),
+            "KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{','.join(cores)}]",
+        }
+    if site.nixl_host is not None:
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": site.nixl_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(site.nixl_port)}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def choose_site(
+    config: EngineConfig, engine_id: str, local_rank: int, node_ip: str, is_cpu: bool, report_events: bool
+) -> EngineSite:
+    """The site of a replica's engine: cores by its local rank (CPU only), a NIXL side channel on its node's IP and a
+    free port unless the config names them, and KV event endpoints when `report_events` and prefix caching is on."""
+    nixl = config.nixl
+    nixl_host = (nixl.side_channel_host or node_ip) if nixl.enabled else None
+    return EngineSite(
+        engine_id=engine_id,
+        cpu_cores=choose_cores(config, local_rank) if is_cpu else None,
+        nixl_host=nixl_host,
+        nixl_port=(nixl.side_channel_port or _free_port(nixl_host)) if nixl_host else None,
+        # The forwarder runs in the replica's process: the engine publishes on this host's ipc sockets.
+        events_endpoints=(
+            (f"ipc://{_EVENTS_DIR}/{engine_id}.pub", f"ipc://{_EVENTS_DIR}/{engine_id}.replay")
+            if report_events and config.enable_prefix_caching
+            else None
+        ),
+    )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
