@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
+from app.disaggregated import DisaggregatedTurnRunner
 from app.metrics import IngressMetrics
 from app.openai_protocol import (
     ChatChoice,
@@ -110,10 +111,14 @@ class Ingress:
         self.directory = directory
         self.mirror = DirectoryMirror(directory, engine.block_size)
         self.mirror.start()
-        self.runner = TurnRunner(
-            engines, self.mirror, CostModel(shape.kv_bytes), self.model, engine.block_size, engine.nixl.hold_ttl_s,
-            decode_engines=pools.get("decode_engines"),
-        )
+        cost = CostModel(shape.kv_bytes)
+        decode_engines = pools.get("decode_engines")
+        if decode_engines is None:
+            self.runner = TurnRunner(engines, self.mirror, cost, self.model, engine.block_size, engine.nixl.hold_ttl_s)
+        else:
+            self.runner = DisaggregatedTurnRunner(
+                engines, decode_engines, self.mirror, cost, self.model, engine.block_size, engine.nixl.hold_ttl_s
+            )
         self.metrics = IngressMetrics()
         self.created = now()
         self._calibration = asyncio.get_running_loop().create_task(self._calibrate())
@@ -267,7 +272,7 @@ class Ingress:
     async def plan(self, token_ids: list[int], replicas: list[str] | None = None, tenant: str = "") -> dict[str, Any]:
         """What the planner would do for this turn now (nothing runs); `replicas` limits the targets."""
         turn = Turn(new_id("plan"), list(token_ids), Sampling(), tenant)
-        _, plan = self.runner.plan(turn, targets=replicas)
+        plan = self.runner.plan(turn, targets=replicas)
         return {"mode": plan.mode.value, "replica": plan.replica_id, "holder": plan.holder,
                 "reused_tokens": plan.reused_tokens, "estimates_ms": plan.estimates_ms, "reason": plan.reason}
 

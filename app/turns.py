@@ -5,6 +5,9 @@ of the KV directory who holds them and how loaded each replica is (no remote cal
 choose, take the hold from the directory when the plan pulls, stream from the chosen replica, then record the
 replica's new hold and feed the timings back to the cost model. A failed pull (dead holder, expired hold, NIXL
 error) re-runs the turn without the pull: the client sees a correct answer, only later.
+
+`TurnRunner` runs aggregated turns (every replica prefills and decodes); `app/disaggregated.py` runs the same
+plan as a prefill on one pool and a decode on another.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.directory_mirror import DirectoryMirror
@@ -137,7 +140,7 @@ def preferred_replica(session_id: str | None, replica_ids: Sequence[str]) -> str
 
 
 class TurnRunner:
-    """Plans and runs turns against one engine deployment. One per ingress replica, on its event loop."""
+    """Plans and runs aggregated turns against one engine deployment. One per ingress replica, on its event loop."""
 
     def __init__(
         self,
@@ -147,11 +150,8 @@ class TurnRunner:
         model: str,
         block_size: int,
         hold_ttl_s: float,
-        decode_engines: Any = None,
     ) -> None:
         self.engines = engines
-        # Disaggregated: `engines` prefill (one token, leaving a hold), `decode_engines` pull it and decode.
-        self.decode_engines = decode_engines
         self.directory = directory
         self.cost = cost
         self.model = model
@@ -166,9 +166,7 @@ class TurnRunner:
     def replicas(self) -> list[ReplicaStats]:
         return self.directory.live()
 
-    def plan(
-        self, turn: Turn, force: tuple[Mode, str] | None = None, targets: Sequence[str] | None = None
-    ) -> tuple[PrefixKey, Plan]:
+    def plan(self, turn: Turn, force: tuple[Mode, str] | None = None, targets: Sequence[str] | None = None) -> Plan:
         """Plan a turn from this ingress's own view (no remote call); `targets` limits where it may run (holders
         may be any live replica)."""
         started = time.perf_counter()
@@ -178,7 +176,7 @@ class TurnRunner:
 
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
-            return key, Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet")
+            return Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet")
         eligible = [v.replica_id for v in views if targets is None or v.replica_id in targets]
         preferred = preferred_replica(turn.session_id, eligible)
         self._rotation += 1
@@ -186,7 +184,7 @@ class TurnRunner:
             len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation
         )
         self.plan_ms.append((time.perf_counter() - started) * 1e3)
-        return key, plan
+        return plan
 
     async def run(
         self, turn: Turn, force: tuple[Mode, str] | None = None
@@ -196,96 +194,90 @@ class TurnRunner:
         `force` (tests, benchmarks) runs a given (mode, replica); a forced recompute also skips the
         target's prefix cache, so it measures and reproduces a true recompute.
         """
-        targets = None
-        if self.decode_engines is not None:
-            # Turns start on the prefill pool; holders may be any replica (decode replicas hold the history).
-            targets = [r.replica_id for r in self.replicas() if r.pool == PREFILL_POOL]
-        key, plan = self.plan(turn, force, targets)
+        plan = self.plan(turn, force, self._targets())
         outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
         self.counters[f"plans_{plan.mode.value}"] += 1
-        pull = None
-        if plan.mode is Mode.PULL:
-            hold = await self.directory.consume_hold(plan.hold.hold_id)
-            if hold is not None and hold.num_tokens <= len(turn.token_ids) - 1:
-                pull = hold
-            else:
-                # Raced with another turn or expired in between: compute on the same target instead.
-                self.counters["holds_gone"] += 1
+        pull = await self._take_hold(turn, plan) if plan.mode is Mode.PULL else None
         started = time.monotonic()
-        skip_cache = force is not None and force[0] is Mode.RECOMPUTE
-        if self.decode_engines is not None:
-            async for delta in self._run_disaggregated(turn, plan, pull, outcome, started, skip_cache):
-                yield delta, outcome
-            return
-        async for delta in self._attempt(turn, plan, pull, outcome, started, skip_cache):
+        async for delta in self._execute(turn, plan, pull, outcome, started, force):
             yield delta, outcome
+
+    def _targets(self) -> list[str] | None:
+        """Where turns may start (None: any live replica)."""
+        return None
+
+    def _leaves_holds(self, turn: Turn) -> bool:
+        """Whether the turn's requests export a hold: only policies that pull need them."""
+        return turn.policy.pulls
+
+    async def _take_hold(self, turn: Turn, plan: Plan) -> Hold | None:
+        """The planned hold, taken from the directory; None if it is gone (another turn took it, it expired)."""
+        hold = await self.directory.consume_hold(plan.hold.hold_id)
+        if hold is not None and hold.num_tokens <= len(turn.token_ids) - 1:
+            return hold
+        # Raced with another turn or expired in between: compute on the same target instead.
+        self.counters["holds_gone"] += 1
+        return None
+
+    async def _execute(
+        self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,
+        force: tuple[Mode, str] | None,
+    ) -> AsyncIterator[GenerateDelta]:
+        """Run the plan on its target, pulling `pull` when given; after a failed pull, once more without it."""
+        skip_cache = force is not None and force[0] is Mode.RECOMPUTE
+        async for delta in self._attempt(turn, plan, self._request(turn, plan, "turn", pull, skip_cache=skip_cache),
+                                         outcome, started):
+            yield delta
         if outcome.pull_failed:
-            async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
-                yield delta, outcome
+            async for delta in self._attempt(turn, plan, self._request(turn, plan, "turn", skip_cache=skip_cache),
+                                             outcome, started):
+                yield delta
         elif force is None and outcome.ttft_ms is not None and (pull is not None or plan.mode is not Mode.PULL):
             # The turn ran as planned: teach the planner how far off its estimate was.
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
 
-    async def _run_disaggregated(
-        self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float, skip_cache: bool
-    ) -> AsyncIterator[GenerateDelta]:
-        """Prefill on P (pulling the history when planned) with one output token, then P->D and decode on D."""
-        prefill = replace(turn, sampling=turn.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
-        prefilled = [d async for d in self._attempt(prefill, plan, pull, outcome, started, skip_cache, "prefill")]
-        if outcome.pull_failed:
-            prefilled = [d async for d in self._attempt(prefill, plan, None, outcome, started, skip_cache, "prefill")]
-        handoff = prefilled[-1].hold if prefilled else None
-        if handoff is None:
-            # P could not hand its KV over: it is a kv_both replica, so let it run the whole turn.
-            self.counters["handoff_failures"] += 1
-            async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
-                yield delta
-            return
-        outcome.ttft_ms = None  # P's token is not shown: the client's first token comes from D
-        reused = prefilled[-1].num_cached_tokens
-        decode_plan = plan._replace(replica_id="")
-        async for delta in self._attempt(turn, decode_plan, handoff, outcome, started, stage="decode"):
-            if delta.finished:
-                delta.num_cached_tokens = reused
-                outcome.reused_tokens = reused
-            yield delta
-        if outcome.pull_failed:  # D could not read P's KV: P recomputes and serves the turn itself
-            outcome.pull_failed = False
-            async for delta in self._attempt(turn, plan, None, outcome, started, skip_cache):
-                yield delta
+    def _request(
+        self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, prefilled: Hold | None = None,
+        skip_cache: bool = False,
+    ) -> GenerateRequest:
+        """The request for one stage of a turn (`stage` names it: "turn", or "prefill" and "decode" for P/D)."""
+        return GenerateRequest(
+            request_id=f"{turn.request_id}-{stage}-{'kv' if pull or prefilled else 'run'}",
+            prompt_token_ids=turn.token_ids,
+            sampling=turn.sampling,
+            pull=pull,
+            prefilled=prefilled,
+            target_replica=plan.replica_id or None,
+            cache_salt=turn.tenant or None,
+            skip_prefix_cache=skip_cache,
+            export_hold=self._leaves_holds(turn),
+        )
 
     async def _attempt(
         self,
         turn: Turn,
         plan: Plan,
-        hold: Hold | None,
+        request: GenerateRequest,
         outcome: TurnOutcome,
         started: float,
-        skip_cache: bool = False,
-        stage: str = "turn",
+        engines: Any = None,
+        records_hold: bool = True,
+        prefills: bool = True,
     ) -> AsyncIterator[GenerateDelta]:
-        """One request to one replica, reading `hold`'s KV if given. `stage` "prefill" or "decode" for the two
-        halves of a P/D turn (the decode half reads the prefill's hold of the whole prompt)."""
-        engines = self.decode_engines if stage == "decode" else self.engines
-        request = GenerateRequest(
-            request_id=f"{turn.request_id}-{stage}-{'kv' if hold else 'run'}",
-            prompt_token_ids=turn.token_ids,
-            sampling=turn.sampling,
-            pull=hold if stage != "decode" else None,
-            prefilled=hold if stage == "decode" else None,
-            target_replica=plan.replica_id or None,
-            cache_salt=turn.tenant or None,
-            skip_prefix_cache=skip_cache,
-            # Only policies that pull need holds; a P/D turn always hands its KV over.
-            export_hold=turn.policy.pulls or self.decode_engines is not None,
-        )
+        """One request to one replica of `engines` (default: the engine pool).
+
+        `records_hold`: record the hold the replica leaves. `prefills`: the request computes the prompt as planned,
+        so once it has read what it reuses the holds it supersedes are released, and its timings teach the cost model.
+        """
+        engines = self.engines if engines is None else engines
+        reads_kv = request.pull is not None or request.prefilled is not None
         output: list[int] = []
         # Accounted on the planned replica; if Serve had to route elsewhere, the next heartbeat corrects it.
         where = plan.replica_id
         self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
         try:
             async for delta in engines.options(stream=True).generate.remote(request):
-                if delta.finished and hold is not None and is_load_failure(delta.finish_reason):
+                if delta.finished and reads_kv and is_load_failure(delta.finish_reason):
                     # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
                     logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
                     self.counters["pull_failures"] += 1
@@ -299,7 +291,7 @@ class TurnRunner:
                     self.inflight.first_token(where, request.request_id)
                     if outcome.ttft_ms is None:
                         outcome.ttft_ms = (time.monotonic() - started) * 1e3
-                    if stage != "decode" and plan.superseded:
+                    if prefills and plan.superseded:
                         # The turn has read what it reuses; older holds of its history only pin blocks now.
                         task = asyncio.get_running_loop().create_task(self._release(plan.superseded))
                         self._background.add(task)
@@ -308,7 +300,10 @@ class TurnRunner:
                 if delta.finished:
                     outcome.replica_id = delta.replica_id
                     outcome.reused_tokens = delta.num_cached_tokens
-                    self._after_turn(turn, turn.token_ids + output, plan, hold, delta, stage)
+                    if records_hold:
+                        self._record_hold(turn, turn.token_ids + output, delta)
+                    if prefills:
+                        self._learn(plan, request.pull is not None, delta)
                 yield delta
         finally:
             self.inflight.ended(where, request.request_id)
@@ -334,36 +329,20 @@ class TurnRunner:
                 logger.warning("could not release hold %s on %s: %s", offer.hold_id, offer.replica_id, exc)
 
     def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
+        """Record the hold the replica left (if any) in the directory, for the next turn to find."""
         if last.hold is not None:
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
             self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s)
 
-    def _after_turn(
-        self,
-        turn: Turn,
-        key_tokens: list[int],
-        plan: Plan,
-        hold: Hold | None,
-        last: GenerateDelta,
-        stage: str,
-    ) -> None:
-        """Record the replica's new hold, release the one it supersedes, teach the cost model this turn's cost.
-
-        A P/D prefill's hold is the decode replica's to read, so it is not recorded; a decode replica's
-        prefill time is its transfer, not compute, so it teaches nothing.
-        """
-        if stage == "decode":
-            self._record_hold(turn, key_tokens, last)
-            return
-        if stage == "turn":
-            self._record_hold(turn, key_tokens, last)
+    def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta) -> None:
+        """Teach the cost model this request's prefill (and pull) time, if it had its engine to itself."""
         if last.prefill_s is None or not last.ran_alone:
             return  # a turn batched with others times the batch, not the model or the link
         prefill_ms = last.prefill_s * 1e3
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused
         self.cost.observe_prefill(new_tokens, reused, prefill_ms, plan.busy_peers)
-        if hold is not None and last.wait_s is not None:
+        if pulled and last.wait_s is not None:
             # vLLM schedules a pulling request once its KV has arrived: the wait before scheduling is the
             # transfer (plus any queueing, which an idle calibration avoids).
             self.cost.observe_pull(reused - plan.cached_tokens, last.wait_s * 1e3)

@@ -1,0 +1,86 @@
+"""Prefill/decode disaggregated turns: the plan runs as a one-token prefill on the prefill pool, whose KV a decode
+replica reads over NIXL before it decodes; the decode replica's hold is what the next turn pulls back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from actors.directory_mirror import DirectoryMirror
+from actors.replica_api import GenerateDelta
+from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
+from kvtransfer.cost_model import CostModel
+from kvtransfer.planner import Mode, Plan
+from kvtransfer.types import Hold
+
+
+class DisaggregatedTurnRunner(TurnRunner):
+    """Plans turns onto the prefill pool (`engines`) and decodes them on `decode_engines`.
+
+    The prefill replica computes the prompt (pulling the history when planned) and one token, and leaves a hold of
+    the whole prompt; a decode replica reads it and streams the reply. If the prefill replica cannot hand its KV
+    over, or the decode replica cannot read it, the prefill pool (kv_both replicas) runs the whole turn.
+    """
+
+    def __init__(
+        self,
+        engines: Any,
+        decode_engines: Any,
+        directory: DirectoryMirror,
+        cost: CostModel,
+        model: str,
+        block_size: int,
+        hold_ttl_s: float,
+    ) -> None:
+        super().__init__(engines, directory, cost, model, block_size, hold_ttl_s)
+        self.decode_engines = decode_engines
+
+    def _targets(self) -> list[str] | None:
+        # Turns start on the prefill pool; holders may be any replica (decode replicas hold the history).
+        return [r.replica_id for r in self.replicas() if r.pool == PREFILL_POOL]
+
+    def _leaves_holds(self, turn: Turn) -> bool:
+        return True  # the prefill hands its KV over; the decode leaves the history for the next turn
+
+    async def _execute(
+        self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,
+        force: tuple[Mode, str] | None,
+    ) -> AsyncIterator[GenerateDelta]:
+        """Prefill on P (pulling the history when planned) with one output token, then P->D and decode on D."""
+        skip_cache = force is not None and force[0] is Mode.RECOMPUTE
+        prefill = replace(turn, sampling=turn.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
+        # P's own hold is D's to read, so it is not recorded.
+        request = self._request(prefill, plan, "prefill", pull, skip_cache=skip_cache)
+        prefilled = [d async for d in self._attempt(prefill, plan, request, outcome, started, records_hold=False)]
+        if outcome.pull_failed:
+            request = self._request(prefill, plan, "prefill", skip_cache=skip_cache)
+            prefilled = [d async for d in self._attempt(prefill, plan, request, outcome, started, records_hold=False)]
+        handoff = prefilled[-1].hold if prefilled else None
+        if handoff is None:
+            # P could not hand its KV over: it is a kv_both replica, so let it run the whole turn.
+            self.counters["handoff_failures"] += 1
+            async for delta in self._run_on_prefill_pool(turn, plan, outcome, started, skip_cache):
+                yield delta
+            return
+        outcome.ttft_ms = None  # P's token is not shown: the client's first token comes from D
+        reused = prefilled[-1].num_cached_tokens
+        decode_plan = plan._replace(replica_id="")
+        # D's prefill time is its transfer, not compute: it teaches the cost model nothing.
+        request = self._request(turn, decode_plan, "decode", prefilled=handoff)
+        async for delta in self._attempt(turn, decode_plan, request, outcome, started, self.decode_engines,
+                                         prefills=False):
+            if delta.finished:
+                delta.num_cached_tokens = reused
+                outcome.reused_tokens = reused
+            yield delta
+        if outcome.pull_failed:  # D could not read P's KV: P recomputes and serves the turn itself
+            outcome.pull_failed = False
+            async for delta in self._run_on_prefill_pool(turn, plan, outcome, started, skip_cache):
+                yield delta
+
+    def _run_on_prefill_pool(
+        self, turn: Turn, plan: Plan, outcome: TurnOutcome, started: float, skip_cache: bool
+    ) -> AsyncIterator[GenerateDelta]:
+        """The whole turn on the planned prefill replica, computing its prompt (the fallback)."""
+        return self._attempt(turn, plan, self._request(turn, plan, "turn", skip_cache=skip_cache), outcome, started)
