@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,22 +27,27 @@ from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.disaggregated import DisaggregatedTurnRunner
 from app.metrics import IngressMetrics
 from app.openai_protocol import (
-    ChatChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     KVRelayInfo,
-    PromptTokensDetails,
     TurnResult,
-    Usage,
     new_id,
     now,
+)
+from app.responses import (
+    ClientError,
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+    prepend,
+    usage,
+    validation_message,
 )
 from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
 from configs.app import AppConfig
 from configs.model_store import ensure_model
+from kvtransfer.calibration import calibrate
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.planner import Mode, Policy
@@ -51,36 +55,6 @@ from kvtransfer.planner import Mode, Policy
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-CALIBRATION_TENANT = "kvrelay-calibration"
-
-
-class ClientError(Exception):
-    """A request the client must change; becomes an OpenAI-style 4xx."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        return openai_error(self.status, self.message, param=self.param, code=self.code)
-
-
-def openai_error(
-    status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    """An error body in the shape OpenAI's API and clients use."""
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
-
-
-def validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or None
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = f"unknown field {where!r}"
-    elif err["type"] == "missing":
-        msg = f"missing required field {where!r}"
-    return (f"{where}: {msg}" if where and err["type"] not in ("extra_forbidden", "missing") else msg), where
 
 
 def tenant_of(request: Request | None, explicit: str | None = None) -> str:
@@ -121,7 +95,10 @@ class Ingress:
             )
         self.metrics = IngressMetrics()
         self.created = now()
-        self._calibration = asyncio.get_running_loop().create_task(self._calibrate())
+        self._calibration = asyncio.get_running_loop().create_task(calibrate(
+            self.turn, self._prefill_replicas, self.config.pool.num_replicas, cost, len(self.tokenizer),
+            self.max_model_len,
+        ))
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(
@@ -156,11 +133,11 @@ class Ingress:
         return JSONResponse(await self.stats())
 
     async def http_chat(self, request: Request) -> Response:
-        return await self._http(request, ChatCompletionRequest, self._chat_turn, self._chat_response, self._chat_chunks)
+        return await self._http(request, ChatCompletionRequest, self._chat_turn, chat_response, chat_chunks)
 
     async def http_completions(self, request: Request) -> Response:
         return await self._http(
-            request, CompletionRequest, self._completion_turn, self._completion_response, self._completion_chunks
+            request, CompletionRequest, self._completion_turn, completion_response, completion_chunks
         )
 
     async def _http(self, request: Request, model_cls, make_turn, respond, chunks) -> Response:
@@ -187,10 +164,10 @@ class Ingress:
         headers = {"x-kvrelay-plan": json.dumps(outcome.public(), separators=(",", ":"))}
         if not req.stream:
             deltas = [first[0]] + [d async for d, _ in stream]
-            return JSONResponse(respond(req, turn, deltas, outcome).model_dump(), headers=headers)
+            return JSONResponse(respond(self.model, turn, deltas, outcome).model_dump(), headers=headers)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            self._sse(chunks(req, turn, _prepend(first, stream), include_usage)),
+            self._sse(chunks(self.model, turn, prepend(first, stream), include_usage)),
             media_type="text/event-stream",
             headers=headers,
         )
@@ -220,9 +197,9 @@ class Ingress:
         turn = self._chat_turn(req, tenant, session_id, policy)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._chat_chunks(req, turn, self._run(turn), include_usage)
+            return chat_chunks(self.model, turn, self._run(turn), include_usage)
         deltas, outcome = await self._collect(turn)
-        return self._chat_response(req, turn, deltas, outcome)
+        return chat_response(self.model, turn, deltas, outcome)
 
     async def completions(
         self,
@@ -236,9 +213,9 @@ class Ingress:
         turn = self._completion_turn(req, tenant, session_id, policy)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_chunks(req, turn, self._run(turn), include_usage)
+            return completion_chunks(self.model, turn, self._run(turn), include_usage)
         deltas, outcome = await self._collect(turn)
-        return self._completion_response(req, turn, deltas, outcome)
+        return completion_response(self.model, turn, deltas, outcome)
 
     async def turn(
         self,
@@ -263,7 +240,7 @@ class Ingress:
             token_ids=[t for d in deltas for t in d.token_ids],
             text="".join(d.text for d in deltas),
             finish_reason=last.finish_reason,
-            usage=self._usage(last),
+            usage=usage(last),
             kvrelay=KVRelayInfo(**outcome.public()),
             ttft_ms=outcome.ttft_ms,
             latency_ms=(time.monotonic() - started) * 1e3,
@@ -276,48 +253,8 @@ class Ingress:
         return {"mode": plan.mode.value, "replica": plan.replica_id, "holder": plan.holder,
                 "reused_tokens": plan.reused_tokens, "estimates_ms": plan.estimates_ms, "reason": plan.reason}
 
-    async def _calibrate(self) -> None:
-        """Seed the cost model by measuring a few recomputes and pulls on the live replicas (start-up only).
-
-        Synthetic turns run under their own tenant, so they never match a real conversation.
-        """
-        try:
-            # Wait for the whole prefill pool: pulls can only be measured between two replicas.
-            wanted = self.config.pool.num_replicas
-            ids: list[str] = []
-            for _ in range(1200):
-                ids = [r.replica_id for r in self.runner.replicas() if r.pool == PREFILL_POOL]
-                if len(ids) >= wanted:
-                    break
-                await asyncio.sleep(0.5)
-            if not ids:
-                return
-            rng = random.Random(0)
-            vocab = len(self.tokenizer)
-            lengths = [n for n in (64, 256, 1024, 2048) if n + 64 < self.max_model_len]
-            one = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-            async def pull_after_recompute(n: int, holder: str, puller: str) -> None:
-                history = [rng.randrange(100, vocab) for _ in range(n)]
-                first = await self.turn(history, one, ("recompute", holder), tenant=CALIBRATION_TENANT)
-                follow_up = history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)]
-                await self.turn(follow_up, one, ("pull", puller), tenant=CALIBRATION_TENANT)
-
-            if len(ids) > 1:
-                # The first pull between two engines includes NIXL's handshake (hundreds of ms, once per
-                # pair and direction): make those now and keep them out of the fit.
-                await pull_after_recompute(64, ids[0], ids[1])
-                await pull_after_recompute(64, ids[1], ids[0])
-                self.runner.cost.discard_pull_samples()
-            for n in lengths:
-                if len(ids) > 1:
-                    await pull_after_recompute(n, ids[0], ids[1])
-                else:
-                    history = [rng.randrange(100, vocab) for _ in range(n)]
-                    await self.turn(history, one, ("recompute", ids[0]), tenant=CALIBRATION_TENANT)
-            logger.info("cost model calibrated on %s: %s", ids, self.runner.cost.snapshot())
-        except Exception:  # calibration only sharpens the priors; serving must not depend on it
-            logger.exception("cost model calibration failed; keeping the priors")
+    def _prefill_replicas(self) -> list[str]:
+        return [r.replica_id for r in self.runner.replicas() if r.pool == PREFILL_POOL]
 
     async def calibrated(self) -> dict[str, Any]:
         """Wait for the start-up calibration and return the cost model's fit."""
@@ -423,79 +360,3 @@ class Ingress:
     ) -> tuple[list[GenerateDelta], TurnOutcome]:
         items = [item async for item in self._run(turn, force)]
         return [delta for delta, _ in items], items[-1][1]
-
-    # ------------------------------------------------------------------------------ response shapes
-
-    @staticmethod
-    def _usage(last: GenerateDelta) -> Usage:
-        return Usage(
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.completion_tokens,
-            total_tokens=last.prompt_tokens + last.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
-        )
-
-    def _chat_response(self, req, turn: Turn, deltas: list[GenerateDelta], outcome: TurnOutcome):
-        last = deltas[-1]
-        return ChatCompletionResponse(
-            id=turn.request_id.replace("turn", "chatcmpl", 1),
-            created=now(),
-            model=self.model,
-            choices=[ChatChoice(message={"role": "assistant", "content": "".join(d.text for d in deltas)},
-                                finish_reason=last.finish_reason)],
-            usage=self._usage(last),
-            kvrelay=KVRelayInfo(**outcome.public()),
-        )
-
-    def _completion_response(self, req, turn: Turn, deltas: list[GenerateDelta], outcome: TurnOutcome):
-        last = deltas[-1]
-        return CompletionResponse(
-            id=turn.request_id.replace("turn", "cmpl", 1),
-            created=now(),
-            model=self.model,
-            choices=[CompletionChoice(text="".join(d.text for d in deltas), finish_reason=last.finish_reason)],
-            usage=self._usage(last),
-            kvrelay=KVRelayInfo(**outcome.public()),
-        )
-
-    async def _chat_chunks(self, req, turn: Turn, stream, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        base = {"id": turn.request_id.replace("turn", "chatcmpl", 1), "object": "chat.completion.chunk",
-                "created": now(), "model": self.model}
-
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-            c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
-            if include_usage:
-                c["usage"] = None
-            return c
-
-        yield chunk({"role": "assistant", "content": ""})
-        async for delta, outcome in stream:
-            if delta.text:
-                yield chunk({"content": delta.text})
-            if delta.finished:
-                final = chunk({}, delta.finish_reason)
-                final["kvrelay"] = outcome.public()
-                yield final
-                if include_usage:
-                    yield dict(base, choices=[], usage=self._usage(delta).model_dump(), kvrelay=outcome.public())
-
-    async def _completion_chunks(self, req, turn: Turn, stream, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        base = {"id": turn.request_id.replace("turn", "cmpl", 1), "object": "text_completion", "created": now(),
-                "model": self.model}
-        async for delta, outcome in stream:
-            if delta.text or delta.finished:
-                c = dict(base, choices=[{"index": 0, "text": delta.text, "logprobs": None,
-                                         "finish_reason": delta.finish_reason if delta.finished else None}])
-                if include_usage:
-                    c["usage"] = None
-                if delta.finished:
-                    c["kvrelay"] = outcome.public()
-                yield c
-            if delta.finished and include_usage:
-                yield dict(base, choices=[], usage=self._usage(delta).model_dump(), kvrelay=outcome.public())
-
-
-async def _prepend(first, rest: AsyncIterator):
-    yield first
-    async for item in rest:
-        yield item

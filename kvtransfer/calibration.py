@@ -1,0 +1,80 @@
+"""Seeding the cost model at start-up: a few recomputes and pulls measured on the live replicas.
+
+Synthetic turns run under their own tenant, so they never match a real conversation. Calibration only sharpens
+the cost model's priors; serving never waits for it or depends on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from kvtransfer.cost_model import CostModel
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_TENANT = "kvrelay-calibration"
+# One greedy token: a turn that measures its prefill (and its pull), not decoding.
+ONE_TOKEN = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+
+class TurnResultLike(Protocol):
+    token_ids: list[int]
+
+
+# Runs one turn: (token ids, sampling, (mode, replica) to force, tenant) -> its result (the ingress's `turn`).
+RunTurn = Callable[..., Awaitable[TurnResultLike]]
+
+
+async def calibrate(
+    run_turn: RunTurn,
+    prefill_replicas: Callable[[], list[str]],
+    wanted: int,
+    cost: CostModel,
+    vocab: int,
+    max_model_len: int,
+) -> None:
+    """Wait for `wanted` replicas of the prefill pool, then time recomputes and pulls of a few lengths on them.
+
+    `run_turn(token_ids, sampling, force, tenant=...)` runs one forced turn through the turn path, which feeds
+    its timings to `cost`; `prefill_replicas()` lists the live replicas turns may start on.
+    """
+    try:
+        # Wait for the whole prefill pool: pulls can only be measured between two replicas.
+        ids: list[str] = []
+        for _ in range(1200):
+            ids = prefill_replicas()
+            if len(ids) >= wanted:
+                break
+            await asyncio.sleep(0.5)
+        if not ids:
+            return
+        rng = random.Random(0)
+        lengths = [n for n in (64, 256, 1024, 2048) if n + 64 < max_model_len]
+
+        async def turn(token_ids: list[int], force: tuple[str, str]) -> Any:
+            return await run_turn(token_ids, ONE_TOKEN, force, tenant=CALIBRATION_TENANT)
+
+        async def pull_after_recompute(n: int, holder: str, puller: str) -> None:
+            history = [rng.randrange(100, vocab) for _ in range(n)]
+            first = await turn(history, ("recompute", holder))
+            follow_up = history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)]
+            await turn(follow_up, ("pull", puller))
+
+        if len(ids) > 1:
+            # The first pull between two engines includes NIXL's handshake (hundreds of ms, once per
+            # pair and direction): make those now and keep them out of the fit.
+            await pull_after_recompute(64, ids[0], ids[1])
+            await pull_after_recompute(64, ids[1], ids[0])
+            cost.discard_pull_samples()
+        for n in lengths:
+            if len(ids) > 1:
+                await pull_after_recompute(n, ids[0], ids[1])
+            else:
+                await turn([rng.randrange(100, vocab) for _ in range(n)], ("recompute", ids[0]))
+        logger.info("cost model calibrated on %s: %s", ids, cost.snapshot())
+    except Exception:  # calibration only sharpens the priors; serving must not depend on it
+        logger.exception("cost model calibration failed; keeping the priors")
