@@ -35,7 +35,7 @@ $(STAMPS)/deps: pyproject.toml | $(BIN)/python
 setup: $(STAMPS)/deps
 
 $(STAMPS)/model-$(DEFAULT_MODEL): $(STAMPS)/deps
-	$(BIN)/python -m configs.model_store $(DEFAULT_MODEL)
+	$(BIN)/python -m model_prep $(DEFAULT_MODEL)
 	touch $@
 
 models: $(STAMPS)/model-$(DEFAULT_MODEL)
@@ -53,7 +53,7 @@ test: models
 	$(BIN)/python -m pytest tests
 
 lint: setup
-	$(BIN)/ruff check app actors kvtransfer configs tests benchmarks
+	$(BIN)/ruff check app actors kvtransfer configs model_prep tests benchmarks
 
 clean:
 	rm -rf $(VENV) .data

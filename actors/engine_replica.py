@@ -30,9 +30,9 @@ from actors.replica_api import (
 )
 from actors.vllm_engine import HoldStepper, check_platform_limits, engine_process_ids, quiet_holds, start_engine
 from configs.engine import EngineConfig
-from configs.model_store import ensure_model
 from kvtransfer.connector import export_params
 from kvtransfer.types import Hold
+from model_prep.store import ensure_model
 
 logger = logging.getLogger(__name__)
 

@@ -46,11 +46,11 @@ from app.responses import (
 )
 from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
 from configs.app import AppConfig
-from configs.model_store import ensure_model
 from kvtransfer.calibration import calibrate
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.planner import Mode, Policy
+from model_prep.store import ensure_model
 
 logger = logging.getLogger(__name__)
 

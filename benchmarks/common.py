@@ -94,8 +94,8 @@ def start_app(
     from transformers import AutoTokenizer
 
     from app.builder import build_app
-    from configs.model_store import ensure_model
     from configs.models import DEFAULT_MODEL
+    from model_prep.store import ensure_model
 
     model = model or DEFAULT_MODEL
     temp_dir = tempfile.mkdtemp(prefix="kvb", dir="/tmp")

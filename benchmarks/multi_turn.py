@@ -447,8 +447,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.common import start_app, stop_app
-    from configs.model_store import ensure_model
     from configs.models import DEFAULT_MODEL
+    from model_prep.store import ensure_model
 
     model = config.model or DEFAULT_MODEL
     tokenizer = AutoTokenizer.from_pretrained(ensure_model(model))

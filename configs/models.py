@@ -1,6 +1,6 @@
 """Registry of the model presets kvrelay can serve, with what an engine needs to know about each one.
 
-Importing this module is cheap (pydantic only); building or converting weights lives in `configs.model_store`.
+Importing this module is cheap (pydantic only); building or converting weights lives in `model_prep`.
 """
 
 from __future__ import annotations

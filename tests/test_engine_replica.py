@@ -10,7 +10,7 @@ import torch
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, InvalidRequestError, Sampling
 from configs.engine import EngineConfig, NixlSettings
-from configs.model_store import ensure_model
+from model_prep.store import ensure_model
 from tests.conftest import collect
 
 MiB = 1024**2

@@ -572,7 +572,7 @@ if __name__ == "__main__":
 def test_real_vllm_engine_events_follow_its_prefix_cache(tmp_path: Path) -> None:
     """One tiny engine in a subprocess; its ZMQ KV events drive a directory through the forwarder."""
     pytest.importorskip("vllm")
-    from configs.model_store import ensure_model
+    from model_prep.store import ensure_model
 
     try:
         model_dir = ensure_model("tiny-llama", progress=lambda _msg: None)
