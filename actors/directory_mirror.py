@@ -2,8 +2,8 @@
 
 The mirror follows the directory actor's change feed (`actors/directory_changes.py`) from a background task
 and answers `lookup` and `live` locally, as llm-d's and Dynamo's routers keep their block index in-process.
-The actor stays the record and the only place a hold is consumed: `consume_hold` asks it, and uses the params
-only if they are the very ones this mirror offered. A mirror that lags costs speed (a missed reuse, a hold
+The actor stays the record and the only place a hold is consumed: `consume_hold` asks it, and uses the hold
+only if it is the very one this mirror offered. A mirror that lags costs speed (a missed reuse, a hold
 already gone), never a wrong answer.
 
 Hold ids differ between the actor and its mirrors (each directory numbers its own holds and cache chains);

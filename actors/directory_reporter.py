@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actors.kv_events import KVEventForwarder, ResidentTracker
+from actors.kv_events import KVEventForwarder, ResidentTracker, ray_sender
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 
 logger = logging.getLogger(__name__)
@@ -47,13 +47,9 @@ class DirectoryReporter:
         directory, replica_id = self._own_handle(), self.identity.replica_id
         forwarder = None
         if self.events is not None:
-
-            async def send(rid: str, ops: list) -> Any:
-                return await directory.apply_resident.remote(rid, ops)
-
             tracker = ResidentTracker(self.identity.model, self.identity.block_size)
             publish, replay = self.events
-            forwarder = KVEventForwarder(replica_id, publish, tracker, send, replay_endpoint=replay)
+            forwarder = KVEventForwarder(replica_id, publish, tracker, ray_sender(directory), replay_endpoint=replay)
             forwarder.start()
         first = True
         last_sent: dict[str, Any] | None = None

@@ -1,7 +1,7 @@
 """Which engine replicas are alive, and their latest load: fed by each replica's heartbeat.
 
-The KV directory actor owns one, so a turn's planning inputs (who holds the KV, how busy everyone is)
-come back in one actor call, and a replica that stops reporting is dropped from the directory at once.
+The KV directory actor owns one, so a replica that stops reporting is dropped from the directory at once; each
+ingress's mirror keeps its own, fed by the same heartbeats through the change feed, to plan from.
 """
 
 from __future__ import annotations

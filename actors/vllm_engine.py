@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.engine_site import EngineSite, engine_process_env
-from configs.engine import CPU_HEAD_SIZES, EngineConfig
+from configs.engine import EngineConfig
+from configs.models import CPU_ATTENTION_HEAD_SIZES
 from kvtransfer.connector import kv_transfer_config
 
 
@@ -29,7 +30,7 @@ def check_platform_limits(config: EngineConfig, model_path: Path, device_type: s
     hf = AutoConfig.from_pretrained(model_path)
     hf = getattr(hf, "text_config", hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if head_dim not in CPU_HEAD_SIZES:
+    if head_dim not in CPU_ATTENTION_HEAD_SIZES:
         raise ValueError(f"head size {head_dim} of {config.model!r} is not supported by CPU attention")
 
 

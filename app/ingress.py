@@ -1,6 +1,7 @@
 """The ingress deployment: OpenAI-style HTTP (Starlette) and typed Python handle methods, one turn path.
 
-HTTP and handle calls both become a `Turn` (the conversation's token ids) run by `app.turns.TurnRunner`.
+HTTP and handle calls both become a `Turn` (the conversation's token ids) run by `app.turns.TurnRunner` (or
+`app.disaggregated.DisaggregatedTurnRunner` when the app has a decode pool).
 Every response says how its turn was planned: the `x-kvrelay-plan` header and a `kvrelay` object.
 """
 
@@ -45,11 +46,11 @@ from app.responses import (
     validation_message,
 )
 from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
-from configs.app import AppConfig
+from configs.app import AppConfig, Policy
 from kvtransfer.calibration import calibrate
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import Mode, Policy
+from kvtransfer.planner import Mode
 from model_prep.store import ensure_model
 
 logger = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ class Ingress:
     def _policy(self, requested: str | None) -> Policy:
         """The deployment's policy, or the one a request names (`x-kvrelay-policy`, for side-by-side benchmarks)."""
         if requested is None:
-            return Policy(self.config.policy)
+            return self.config.policy
         try:
             return Policy(requested)
         except ValueError:

@@ -24,9 +24,10 @@ from typing import Any
 from actors.directory_mirror import DirectoryMirror
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats, Sampling
+from configs.app import Policy
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
-from kvtransfer.planner import Mode, Plan, Policy, ReplicaView, plan_turn
+from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn
 from kvtransfer.types import Hold, HoldOffer
 
 logger = logging.getLogger(__name__)

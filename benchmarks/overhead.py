@@ -27,7 +27,7 @@ import httpx
 
 from actors.replica_api import GenerateRequest, Sampling
 from benchmarks.common import start_app, stop_app
-from kvtransfer.planner import Policy
+from configs.app import Policy
 
 
 def pct(values: list[float], q: float) -> float:

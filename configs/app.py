@@ -6,11 +6,27 @@ rejected with a precise message before any actor starts.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.engine import EngineConfig
+
+
+class Policy(StrEnum):
+    """How a turn's (replica, mode) is chosen among the options."""
+
+    KVRELAY = "kvrelay"  # lowest estimated time to first token over every (replica, mode) option
+    ROUND_ROBIN = "round_robin"  # next replica in turn; each replica's own prefix cache, never a pull
+    SESSION = "session"  # consistent hash of the session id (X-Session-Id); never a pull
+    PREFIX_AFFINITY = "prefix_affinity"  # the replica holding the longest prefix, else the least loaded
+    FIXED_THRESHOLD = "fixed_threshold"  # round robin, pulling from the holder whenever it holds >= 64 tokens
+
+    @property
+    def pulls(self) -> bool:
+        """Whether the policy ever pulls, so its turns must leave pullable holds behind."""
+        return self in (Policy.KVRELAY, Policy.FIXED_THRESHOLD)
 
 
 class AutoscalingSettings(BaseModel):
@@ -74,10 +90,10 @@ class AppConfig(BaseModel):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     decode_pool: PoolConfig | None = None
     ingress_num_cpus: float = Field(default=0.1, gt=0)
-    # How turns are placed (kvtransfer.planner.Policy). "kvrelay" plans by measured cost; the others are the
-    # routers users would otherwise run, kept for side-by-side benchmarks (a request may also name one in
+    # How turns are placed (`kvtransfer/planner.py` implements each). "kvrelay" plans by measured cost; the others
+    # are the routers users would otherwise run, kept for side-by-side benchmarks (a request may also name one in
     # the `x-kvrelay-policy` header).
-    policy: Literal["kvrelay", "round_robin", "session", "prefix_affinity", "fixed_threshold"] = "kvrelay"
+    policy: Policy = Policy.KVRELAY
 
     @model_validator(mode="after")
     def _check_topology(self) -> AppConfig:
@@ -91,8 +107,4 @@ class AppConfig(BaseModel):
         elif self.decode_pool is not None:
             raise ValueError("decode_pool is only used with topology 'disaggregated'")
         return self
-
-    @property
-    def served_model(self) -> str:
-        return self.pool.engine.model
 

@@ -14,9 +14,6 @@ from configs.models import DEFAULT_MODEL, MODEL_PRESETS
 
 MiB = 1024**2
 
-# Head sizes the CPU attention backend implements (vLLM's cpu_attn); others fail at engine start.
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
 
 class NixlSettings(BaseModel):
     """vLLM NixlConnector settings for a replica that both sends and receives KV (kv_role kv_both)."""

@@ -20,7 +20,7 @@ STORE_FORMAT_VERSION = 2
 # Preset fields that only describe or advise; editing them must not trigger a rebuild.
 _NOT_FINGERPRINTED = {"description", "optional", "dtype"}
 
-# Head sizes the vLLM CPU attention backend has kernels for.
+# Head sizes the vLLM CPU attention backend has kernels for (vLLM's cpu_attn); others fail at engine start.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 SLIDING = "sliding_attention"

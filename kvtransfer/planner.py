@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
+from configs.app import Policy
 from kvtransfer.cost_model import CostModel, LoadView
 from kvtransfer.types import HoldOffer, LookupResult
 
@@ -25,21 +26,6 @@ class Mode(StrEnum):
     LOCAL = "local"  # the target's own prefix cache holds part of the history
     PULL = "pull"  # the target pulls the history's KV from the holder over NIXL
     RECOMPUTE = "recompute"  # the target computes the whole prompt
-
-
-class Policy(StrEnum):
-    """How a turn's (replica, mode) is chosen among the options."""
-
-    KVRELAY = "kvrelay"  # lowest estimated time to first token over every (replica, mode) option
-    ROUND_ROBIN = "round_robin"  # next replica in turn; each replica's own prefix cache, never a pull
-    SESSION = "session"  # consistent hash of the session id (X-Session-Id); never a pull
-    PREFIX_AFFINITY = "prefix_affinity"  # the replica holding the longest prefix, else the least loaded
-    FIXED_THRESHOLD = "fixed_threshold"  # round robin, pulling from the holder whenever it holds >= 64 tokens
-
-    @property
-    def pulls(self) -> bool:
-        """Whether the policy ever pulls, so its turns must leave pullable holds behind."""
-        return self in (Policy.KVRELAY, Policy.FIXED_THRESHOLD)
 
 
 # vLLM's own rule (`kv_recompute_threshold`): pull whenever the remote prefix has at least this many tokens.

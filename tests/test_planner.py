@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from app.turns import preferred_replica
+from configs.app import Policy
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, Policy, ReplicaView, plan_turn
+from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, ReplicaView, plan_turn
 from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
 

@@ -12,13 +12,19 @@ import heapq
 from collections.abc import Sequence
 
 from actors.kv_directory.chains import ChainIndex, H
-from actors.kv_directory.records import HOLD_BYTES, REF_BITS, HoldRecord, Node, ReplicaRecord, alloc, deep_size
+from actors.kv_directory.records import (
+    HOLD_BYTES,
+    REF_BITS,
+    HoldRecord,
+    Node,
+    ReplicaRecord,
+    alloc,
+    deep_size,
+    new_tuple,
+)
 from actors.kv_directory.results import RecordResult
 from actors.prefix_hash import TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from kvtransfer.types import Hold, HoldOffer
-
-# NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.
-_tuple_new = tuple.__new__
 
 
 class HoldIndex(ChainIndex):
@@ -169,7 +175,7 @@ class HoldIndex(ChainIndex):
                     best.used = True
                     self._hold_offers += 1
                     offer = (best.hold_id, rep.replica_id, best.num_tokens, best.expires_at, best.hold)
-                    return _tuple_new(HoldOffer, offer)
+                    return new_tuple(HoldOffer, offer)
             k -= 1
             if k:
                 node = get(hashes[(k - 1) * H : k * H])

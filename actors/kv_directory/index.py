@@ -21,14 +21,13 @@ from actors.kv_directory.records import (
     ReplicaRecord,
     Segment,
     bits,
+    new_tuple,
 )
 from actors.kv_directory.resident import ResidentIndex
 from actors.kv_directory.results import DirectoryStats
 from actors.prefix_hash import TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from kvtransfer.types import HoldingKind, LookupResult, ReplicaMatch
 
-# NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.
-_tuple_new = tuple.__new__
 
 def _deepest_holding(
     get: Callable[[BlockHash], Node | None], hashes: bytes, first: Node, hi: int, want: int
@@ -116,7 +115,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
             self._lookup_hits += 1
             if len(matches) > 1:
                 matches.sort(key=_match_order)
-        return _tuple_new(LookupResult, (len(key.tokens) // TOKEN_BYTES, tuple(matches)))
+        return new_tuple(LookupResult, (len(key.tokens) // TOKEN_BYTES, tuple(matches)))
 
     def _match_replica(self, key: PrefixKey, rep: ReplicaRecord, deepest: Node, depth: int) -> ReplicaMatch | None:
         hashes, bit = key.hashes, 1 << rep.index
@@ -136,7 +135,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
         if num_tokens == 0:
             return None
         kind: HoldingKind = "hold" if offer is not None and offer.num_tokens >= cached_tokens else "resident"
-        return _tuple_new(ReplicaMatch, (rep.replica_id, num_tokens, kind, cached_tokens, offer))
+        return new_tuple(ReplicaMatch, (rep.replica_id, num_tokens, kind, cached_tokens, offer))
 
     # ----- replicas, bounds, stats
 

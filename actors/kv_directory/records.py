@@ -13,6 +13,9 @@ from typing import Any
 from actors.prefix_hash import HASH_BYTES, BlockHash
 from kvtransfer.types import Hold
 
+# NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.
+new_tuple = tuple.__new__
+
 REF_BITS = 32  # per-replica reference counts are packed into one int, 32 bits per replica
 REF_MASK = (1 << REF_BITS) - 1
 
