@@ -39,8 +39,8 @@ MODES = {
 def run_app_modes(prefill_cache: bool, config: BenchConfig, throughput_optimized: bool) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from configs.model_store import ensure_model
     from configs.models import DEFAULT_MODEL
+    from model_prep.store import ensure_model
 
     model = config.model or DEFAULT_MODEL
     conversations = synthetic_conversations(config, word_pool(AutoTokenizer.from_pretrained(ensure_model(model))))
