@@ -172,10 +172,15 @@ class DirectoryMirror:
             if actor_id is not None:
                 self._copy_hold(replica_id, key, hold, expires_at, actor_id)
             return
-        if actor_id is None or actor_id in self._local_id or actor_id in self._gone:
-            # Refused by the actor, or its feed delivered (or consumed) the hold first: keep one copy, or none.
+        if actor_id is None or actor_id in self._gone:  # refused by the actor, or taken already
             self._copy.consume_hold(local)
             return
+        feed_copy = self._local_id.get(actor_id)
+        if feed_copy is not None:
+            # The feed delivered the hold before the answer (a loaded machine): keep this copy's own entry, the
+            # one this ingress's next turn may already have planned a pull with, and drop the feed's.
+            self._actor_id.pop(feed_copy, None)
+            self._copy.consume_hold(feed_copy)
         self._local_id[actor_id] = local
         self._actor_id[local] = actor_id
 
