@@ -9,10 +9,10 @@ Both are linear models fitted online by least squares over the most recent obser
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
 had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1).
 
-On top of the fits, the planner's own error: measured over estimated time to first token per kind of option
-(mode, and whether other engines on the node were busy), from the turns it ran; once a kind has enough samples
-its estimates are scaled by the median ratio (`EstimateError`), so whatever the fits miss (queueing, Serve's
-hops, contention they model too simply) is charged to the options that suffer it.
+On top of the fits, the planner's own error: measured minus estimated time to first token per kind of option
+(mode, and whether other engines on the node were busy), from the turns it ran; each kind's estimates get the
+median error added (`EstimateError`), so whatever the fits miss (queueing, Serve's hops, contention they model
+too simply) is charged to the options that suffer it.
 
 Seeded by a short measurement when the app starts, refitted after every observed turn, visible in
 `snapshot()`. No fixed token threshold appears anywhere: the crossover falls where these two meet.
@@ -63,14 +63,19 @@ class OnlineLinearFit:
 
 
 class EstimateError:
-    """Measured / estimated time to first token per kind of option, over a sliding window (mutates on observe)."""
+    """Measured minus estimated time to first token per kind of option, over a sliding window (mutates on observe).
+
+    Additive, because most of what the fits leave out is a fixed cost per request (Serve's hops, scheduling)
+    that a ratio would inflate on short turns. A kind with too few samples of its own takes the median over all
+    kinds, so a rarely chosen option is not made to look cheaper than the ones whose overhead has been measured.
+    """
 
     MIN_SAMPLES = 8
-    LIMITS = (0.5, 4.0)  # a correction outside these says the fits are broken, not that they need scaling
 
     def __init__(self, window: int = 64) -> None:
         self.window = window
-        self._ratios: dict[str, deque[float]] = {}
+        self._errors: dict[str, deque[float]] = {}
+        self._all: deque[float] = deque(maxlen=window)
 
     @staticmethod
     def kind(mode: str, busy_peers: int) -> str:
@@ -79,19 +84,25 @@ class EstimateError:
     def observe(self, mode: str, busy_peers: int, estimate_ms: float, measured_ms: float) -> None:
         if estimate_ms > 0 and measured_ms > 0:
             kind = self.kind(mode, busy_peers)
-            self._ratios.setdefault(kind, deque(maxlen=self.window)).append(measured_ms / estimate_ms)
+            self._errors.setdefault(kind, deque(maxlen=self.window)).append(measured_ms - estimate_ms)
+            self._all.append(measured_ms - estimate_ms)
 
-    def factor(self, mode: str, busy_peers: int) -> float:
-        return self._factor(self._ratios.get(self.kind(mode, busy_peers), ()))
+    def offset_ms(self, mode: str, busy_peers: int) -> float:
+        own = self._errors.get(self.kind(mode, busy_peers), ())
+        errors = own if len(own) >= self.MIN_SAMPLES else self._all
+        return float(np.median(errors)) if len(errors) >= self.MIN_SAMPLES else 0.0
 
-    def _factor(self, ratios: Sequence[float]) -> float:
-        if len(ratios) < self.MIN_SAMPLES:
-            return 1.0
-        low, high = self.LIMITS
-        return min(high, max(low, float(np.median(ratios))))
+    def corrected(self, mode: str, busy_peers: int, estimate_ms: float) -> float:
+        """`estimate_ms` plus the measured error of its kind; never below half the fits' estimate."""
+        return max(estimate_ms / 2, estimate_ms + self.offset_ms(mode, busy_peers))
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {k: {"factor": round(self._factor(v), 3), "samples": len(v)} for k, v in sorted(self._ratios.items())}
+        return {k: {"offset_ms": round(self.offset_ms(*self._split(k)), 2), "samples": len(v)}
+                for k, v in sorted(self._errors.items())}
+
+    @staticmethod
+    def _split(kind: str) -> tuple[str, int]:
+        return (kind.removesuffix("_busy_node"), 1 if kind.endswith("_busy_node") else 0)
 
 
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:

@@ -114,7 +114,7 @@ def _options(
         own_hold = match.hold if match is not None and mode is Mode.LOCAL else None
         ms = queue + compute
         options.append(Option(mode, replica.replica_id, None, cached, cached,
-                              ms * cost.error.factor(mode, replica.busy_peers), own_hold, ms))
+                              cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -123,7 +123,7 @@ def _options(
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers)
             ms = queue + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  ms * cost.error.factor(Mode.PULL, replica.busy_peers), hold, ms))
+                                  cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms))
     return options
 
 

@@ -214,11 +214,22 @@ def test_the_planner_corrects_for_its_own_measured_error():
     first = plan_turn(1000, lookup(1000), replicas, cost)
     assert first.replica_id == "b"  # by the fits alone the idle replica looks faster
     assert first.model_ms == first.estimate_ms  # nothing measured yet: no correction
-    # Turns run beside a busy engine keep taking twice their estimate; turns alone on the node as estimated.
+    # Turns run beside a busy engine keep taking 100 ms longer than estimated; turns alone on the node 10 ms
+    # longer (a fixed overhead every option pays).
     for _ in range(cost.error.MIN_SAMPLES):
         cost.error.observe(Mode.RECOMPUTE, 1, 100.0, 200.0)
-        cost.error.observe(Mode.RECOMPUTE, 0, 100.0, 100.0)
+        cost.error.observe(Mode.RECOMPUTE, 0, 100.0, 110.0)
     corrected = plan_turn(1000, lookup(1000), replicas, cost)
     assert corrected.replica_id == "a"
-    assert corrected.estimates_ms["recompute"] == pytest.approx(corrected.model_ms)
-    assert cost.snapshot()["estimate_error"]["recompute_busy_node"] == {"factor": 2.0, "samples": 8}
+    assert corrected.estimates_ms["recompute"] == pytest.approx(corrected.model_ms + 10.0, abs=0.01)
+    assert cost.snapshot()["estimate_error"]["recompute_busy_node"] == {"offset_ms": 100.0, "samples": 8}
+
+
+def test_an_option_without_its_own_error_samples_pays_the_overhead_measured_for_all():
+    cost = calibrated(prefill_ms_per_token=0.3)
+    for _ in range(cost.error.MIN_SAMPLES):
+        cost.error.observe(Mode.LOCAL, 0, 20.0, 35.0)  # every local turn took 15 ms more than its estimate
+    # A kind never measured is not made cheaper than the measured ones by the overhead they were charged.
+    assert cost.error.offset_ms(Mode.PULL, 1) == cost.error.offset_ms(Mode.LOCAL, 0) == 15.0
+    assert cost.error.corrected(Mode.RECOMPUTE, 0, 4.0) == 19.0
+    assert cost.error.corrected(Mode.LOCAL, 0, 100.0) == 115.0
