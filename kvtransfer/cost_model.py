@@ -76,33 +76,36 @@ class EstimateError:
         self.window = window
         self._errors: dict[str, deque[float]] = {}
         self._all: deque[float] = deque(maxlen=window)
+        # Medians, refreshed on observe (once per turn) so that planning only reads them.
+        self._offsets: dict[str, float] = {}
+        self._overall = 0.0
 
     @staticmethod
     def kind(mode: str, busy_peers: int) -> str:
         return f"{mode}_busy_node" if busy_peers > 0 else mode
 
     def observe(self, mode: str, busy_peers: int, estimate_ms: float, measured_ms: float) -> None:
-        if estimate_ms > 0 and measured_ms > 0:
-            kind = self.kind(mode, busy_peers)
-            self._errors.setdefault(kind, deque(maxlen=self.window)).append(measured_ms - estimate_ms)
-            self._all.append(measured_ms - estimate_ms)
+        if estimate_ms <= 0 or measured_ms <= 0:
+            return
+        kind = self.kind(mode, busy_peers)
+        errors = self._errors.setdefault(kind, deque(maxlen=self.window))
+        errors.append(measured_ms - estimate_ms)
+        self._all.append(measured_ms - estimate_ms)
+        if len(errors) >= self.MIN_SAMPLES:
+            self._offsets[kind] = float(np.median(errors))
+        if len(self._all) >= self.MIN_SAMPLES:
+            self._overall = float(np.median(self._all))
 
     def offset_ms(self, mode: str, busy_peers: int) -> float:
-        own = self._errors.get(self.kind(mode, busy_peers), ())
-        errors = own if len(own) >= self.MIN_SAMPLES else self._all
-        return float(np.median(errors)) if len(errors) >= self.MIN_SAMPLES else 0.0
+        return self._offsets.get(self.kind(mode, busy_peers), self._overall)
 
     def corrected(self, mode: str, busy_peers: int, estimate_ms: float) -> float:
         """`estimate_ms` plus the measured error of its kind; never below half the fits' estimate."""
         return max(estimate_ms / 2, estimate_ms + self.offset_ms(mode, busy_peers))
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {k: {"offset_ms": round(self.offset_ms(*self._split(k)), 2), "samples": len(v)}
+        return {k: {"offset_ms": round(self._offsets.get(k, self._overall), 2), "samples": len(v)}
                 for k, v in sorted(self._errors.items())}
-
-    @staticmethod
-    def _split(kind: str) -> tuple[str, int]:
-        return (kind.removesuffix("_busy_node"), 1 if kind.endswith("_busy_node") else 0)
 
 
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:
