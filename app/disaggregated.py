@@ -40,6 +40,9 @@ class DisaggregatedTurnRunner(TurnRunner):
         # Turns start on the prefill pool; holders may be any replica (decode replicas hold the history).
         return [r.replica_id for r in self.replicas() if r.pool == PREFILL_POOL]
 
+    def _output_tokens(self, turn: Turn) -> int:
+        return 1  # the turn starts as a one-token prefill; the decode pool does the rest
+
     def _leaves_holds(self, turn: Turn) -> bool:
         return True  # the prefill hands its KV over; the decode leaves the history for the next turn
 

@@ -58,6 +58,7 @@ class TurnOutcome:
     replica_id: str = ""
     reused_tokens: int = 0
     ttft_ms: float | None = None
+    completion_tokens: int = 0
     pull_failed: bool = False
     counters: Counter = field(default_factory=Counter)
 
@@ -111,22 +112,28 @@ class InFlight:
         )
         live = [(started, pending) for started, ended, pending in mine if ended is None]
         others = max(0, stats.running + stats.waiting - seen_by_heartbeat)
+        prefilling = [pending for _, pending in live if pending is not None]
         return ReplicaView(
             stats.replica_id,
-            running=others + sum(1 for _, pending in live if pending is None),
+            running=others + len(live) - len(prefilling),
             waiting=0,
             decode_tok_s=stats.decode_tok_s,
-            prefill_tokens=sum(pending for _, pending in live if pending is not None),
+            prefill_tokens=sum(prefilling),
+            prefilling=len(prefilling),
         )
 
 
 def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
-    """Each view with the number of other replicas on its node that are busy (running, queued or prefilling)."""
-    busy = [v.replica_id for v in views if v.running or v.waiting or v.prefill_tokens]
-    return [
-        v._replace(busy_peers=sum(1 for b in busy if b != v.replica_id and node_of.get(b) == node_of.get(v.replica_id)))
-        for v in views
-    ]
+    """Each view with the other replicas on its node that are busy (running, queued or prefilling): how many,
+    and how many requests they have in flight."""
+    busy = [v for v in views if not v.idle]
+    out = []
+    for v in views:
+        node = node_of.get(v.replica_id)
+        peers = [b for b in busy if b.replica_id != v.replica_id and node_of.get(b.replica_id) == node]
+        out.append(v._replace(busy_peers=len(peers),
+                              peer_requests=sum(p.running + p.waiting + p.prefilling for p in peers)))
+    return out
 
 
 def preferred_replica(session_id: str | None, replica_ids: Sequence[str]) -> str | None:
@@ -182,7 +189,8 @@ class TurnRunner:
         preferred = preferred_replica(turn.session_id, eligible)
         self._rotation += 1
         plan = plan_turn(
-            len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation
+            len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation,
+            self._output_tokens(turn),
         )
         self.plan_ms.append((time.perf_counter() - started) * 1e3)
         return plan
@@ -206,6 +214,10 @@ class TurnRunner:
     def _targets(self) -> list[str] | None:
         """Where turns may start (None: any live replica)."""
         return None
+
+    def _output_tokens(self, turn: Turn) -> int:
+        """How many tokens the turn will decode on the replica it starts on (how long it keeps that engine busy)."""
+        return self.cost.expected_output_tokens(turn.sampling.max_tokens)
 
     def _leaves_holds(self, turn: Turn) -> bool:
         """Whether the turn's requests export a hold: only policies that pull need them."""
@@ -234,8 +246,9 @@ class TurnRunner:
                                              outcome, started):
                 yield delta
         elif force is None and outcome.ttft_ms is not None and (pull is not None or plan.mode is not Mode.PULL):
-            # The turn ran as planned: teach the planner how far off its estimate was.
+            # The turn ran as planned: teach the planner how far off its estimate was, and how long turns decode.
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
+            self.cost.observe_output(outcome.completion_tokens)
 
     def _request(
         self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, prefilled: Hold | None = None,
@@ -301,6 +314,7 @@ class TurnRunner:
                 if delta.finished:
                     outcome.replica_id = delta.replica_id
                     outcome.reused_tokens = delta.num_cached_tokens
+                    outcome.completion_tokens = delta.completion_tokens
                     if records_hold:
                         self._record_hold(turn, turn.token_ids + output, delta)
                     if prefills:

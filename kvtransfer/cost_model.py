@@ -6,6 +6,9 @@ Both are linear models fitted online by least squares over the most recent obser
     pull_ms(bytes)                                 = fixed + bytes / bandwidth
     slowdown(p busy peers on the same node)        = 1 + s*p                          (shared CPUs, memory bandwidth)
 
+The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
+on the busy engines beside it by s for as long as the turn keeps it busy (`contention_impact_ms`).
+
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
 had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1).
 
@@ -140,6 +143,8 @@ class CostModel:
         self.contention = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), window)
         self.error = EstimateError(window)
         self.decode_step_ms = 20.0
+        # Completion tokens of recent turns (a moving average): how long a turn typically decodes.
+        self.typical_output_tokens: float | None = None
 
     # ---------------------------------------------------------------- estimates (pure)
 
@@ -159,14 +164,28 @@ class CostModel:
         """Transfer the KV of `num_tokens` tokens from a holder (fixed handover part + bytes / bandwidth)."""
         return max(0.0, self.pull.predict((1.0, float(self.kv_bytes(num_tokens)))))
 
+    def step_ms(self, load: LoadView) -> float:
+        """One decode step on a replica: its measured token rate per request, else the default."""
+        return 1e3 / load.decode_tok_s if load.decode_tok_s else self.decode_step_ms
+
     def queue_ms(self, load: LoadView) -> float:
         """Wait before a new request's first token beyond its own prefill: the known prefills ahead of it,
         other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
         batches a new prefill with the running decodes, so they cost it about one step, not one each)."""
-        step = 1e3 / load.decode_tok_s if load.decode_tok_s else self.decode_step_ms
         peers = load.busy_peers
         ahead = self.recompute_ms(load.prefill_tokens, 0, peers) + load.waiting * self.recompute_ms(256, 0, peers)
-        return ahead + (step if load.running else 0.0)
+        return ahead + (self.step_ms(load) if load.running else 0.0)
+
+    def contention_impact_ms(self, occupancy_ms: float, peer_requests: int) -> float:
+        """Delay imposed on `peer_requests` requests running on busy engines of a node when one more of its
+        engines works for `occupancy_ms`: each runs slower by the measured slowdown per busy peer meanwhile."""
+        per_peer = max(0.0, self.contention.predict((1.0,)))
+        return per_peer * occupancy_ms * peer_requests
+
+    def expected_output_tokens(self, max_tokens: int) -> int:
+        """How many tokens a turn allowed `max_tokens` will decode: recent turns' average, at most `max_tokens`."""
+        typical = self.typical_output_tokens
+        return max(1, min(max_tokens, round(typical) if typical is not None else max_tokens))
 
     # ---------------------------------------------------------------- calibration (mutates)
 
@@ -180,6 +199,12 @@ class CostModel:
         solo = self.recompute_ms(new_tokens, context_tokens)
         if solo > 0:
             self.contention.observe((float(busy_peers),), ms / solo - 1.0)
+
+    def observe_output(self, completion_tokens: int) -> None:
+        """A finished turn's completion length (mutates the moving average)."""
+        if completion_tokens > 0:
+            prev = self.typical_output_tokens
+            self.typical_output_tokens = completion_tokens if prev is None else 0.9 * prev + 0.1 * completion_tokens
 
     def observe_pull(self, num_tokens: int, ms: float) -> None:
         """`ms`: the transfer's share of a pulled turn's prefill time (measured minus the delta's compute)."""
@@ -199,5 +224,6 @@ class CostModel:
             "contention": self.contention.as_dict(),
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "decode_step_ms": self.decode_step_ms,
+            "typical_output_tokens": self.typical_output_tokens,
             "estimate_error": self.error.as_dict(),
         }

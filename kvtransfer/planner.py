@@ -2,9 +2,12 @@
 
 `plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
 the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
-with the lowest estimated time to first token, so a busy holder can lose the turn to an idle replica that
-pulls from it. The other policies are the routing rules users would otherwise run (round robin, session
-affinity, prefix affinity, vLLM's fixed pull threshold), chosen from the same options so that benchmarks
+with the lowest cost: its estimated time to first token plus the delay it would impose on requests already
+running beside it (an idle engine that starts work slows every busy engine sharing its node, by the measured
+contention). So a busy holder can lose the turn to an idle replica that pulls from it, and on a node whose
+engines slow each other a turn joins the busy engine unless waiting there costs more than the slowdown. The
+other policies are the routing rules users would otherwise run (round robin, session affinity, prefix
+affinity, vLLM's fixed pull threshold), chosen from the same options so that benchmarks
 compare them on the same engines and every plan still reports every estimate.
 """
 
@@ -49,10 +52,18 @@ class ReplicaView(NamedTuple):
     prefill_tokens: int = 0
     # Other engines on the same node that are busy now: they share its CPUs.
     busy_peers: int = 0
+    # Requests known to wait for their first token there (their tokens are in `prefill_tokens`).
+    prefilling: int = 0
+    # Requests in flight on those busy engines beside it: what this engine slows down when it starts work.
+    peer_requests: int = 0
 
     @property
     def load(self) -> LoadView:
         return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens, self.busy_peers)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.waiting or self.prefill_tokens or self.prefilling)
 
 
 class Option(NamedTuple):
@@ -66,6 +77,13 @@ class Option(NamedTuple):
     hold: HoldOffer | None = None
     # The fits' estimate before the planner's measured error scaled it (what that error is learned against).
     model_ms: float = 0.0
+    # Delay this option imposes on requests already in flight on busy engines of the target's node.
+    impact_ms: float = 0.0
+
+    @property
+    def cost_ms(self) -> float:
+        """What the kvrelay policy minimizes: this turn's time to first token plus the delay it causes others."""
+        return self.estimate_ms + self.impact_ms
 
 
 class Plan(NamedTuple):
@@ -88,6 +106,8 @@ class Plan(NamedTuple):
     busy_peers: int = 0
     # The chosen option's estimate before correction by the planner's measured error.
     model_ms: float = 0.0
+    # The delay the chosen option imposes on requests running on busy engines beside its target.
+    impact_ms: float = 0.0
 
 
 def _options(
@@ -96,6 +116,7 @@ def _options(
     replicas: Sequence[ReplicaView],
     cost: CostModel,
     targets: Collection[str] | None = None,
+    output_tokens: int = 1,
 ) -> list[Option]:
     live = {r.replica_id for r in replicas}
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
@@ -114,7 +135,8 @@ def _options(
         own_hold = match.hold if match is not None and mode is Mode.LOCAL else None
         ms = queue + compute
         options.append(Option(mode, replica.replica_id, None, cached, cached,
-                              cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms))
+                              cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
+                              _impact_ms(replica, compute, output_tokens, cost)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -123,8 +145,19 @@ def _options(
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers)
             ms = queue + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms))
+                                  cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms,
+                                  _impact_ms(replica, rest, output_tokens, cost)))
     return options
+
+
+def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel) -> float:
+    """The delay a turn on `target` imposes on requests in flight beside it: none if the target is busy already
+    (the node's set of busy engines stays the same), else each request on the node's busy engines runs slower by
+    the measured contention for as long as the turn occupies the target (its compute, then its decode)."""
+    if not target.idle or not target.peer_requests:
+        return 0.0
+    occupancy = compute_ms + output_tokens * cost.step_ms(target.load)
+    return cost.contention_impact_ms(occupancy, target.peer_requests)
 
 
 def plan_turn(
@@ -137,8 +170,11 @@ def plan_turn(
     targets: Collection[str] | None = None,
     policy: Policy = Policy.KVRELAY,
     rotation: int = 0,
+    output_tokens: int = 1,
 ) -> Plan:
-    """Choose target replica and mode together; under `Policy.KVRELAY`, the lowest estimated time to first token.
+    """Choose target replica and mode together; under `Policy.KVRELAY`, the lowest cost: estimated time to first
+    token plus the delay imposed on requests running beside the target (`output_tokens`: how long the turn will
+    decode there, which is how long it keeps an idle target busy).
 
     `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity; under
     `Policy.SESSION` it is the target. `rotation` is the caller's turn counter for the round-robin policies.
@@ -151,7 +187,7 @@ def plan_turn(
         raise ValueError("no live engine replica to plan on")
     if num_tokens <= 0:
         raise ValueError("a turn needs at least one prompt token")
-    options = _options(num_tokens, lookup, replicas, cost, targets)
+    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens)
     if not options:
         raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
     if force is not None:
@@ -190,30 +226,31 @@ def plan_turn(
         ),
         busy_peers=next(r.busy_peers for r in replicas if r.replica_id == chosen.replica_id),
         model_ms=round(chosen.model_ms, 2),
+        impact_ms=round(chosen.impact_ms, 2),
     )
 
 
 def _fastest(options: Sequence[Option], preferred_replica: str | None) -> Option:
-    """The option with the lowest estimate; within 2% of it, the preferred replica's."""
-    best_ms = min(o.estimate_ms for o in options)
+    """The option with the lowest cost; within 2% of it, the preferred replica's."""
+    best_ms = min(o.cost_ms for o in options)
 
     def rank(o: Option) -> tuple[bool, float, float]:
-        near_best = o.estimate_ms <= best_ms * 1.02 + 0.5
-        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.estimate_ms)
+        near_best = o.cost_ms <= best_ms * 1.02 + 0.5
+        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.cost_ms)
 
     return min(options, key=rank)
 
 
 def _stay_unless_clearly_faster(options: Sequence[Option], fastest: Option) -> Option:
-    """`fastest`, unless it leaves the replica caching the longest part of the history without saving at least
-    STAY_MARGIN and STAY_MARGIN_MS over staying there."""
+    """`fastest`, unless it leaves the replica caching the longest part of the history without costing at least
+    STAY_MARGIN and STAY_MARGIN_MS less than staying there."""
     stays = [o for o in options if o.mode is Mode.LOCAL]
     if not stays:
         return fastest
-    stay = min(stays, key=lambda o: (-o.cached_tokens, o.estimate_ms))
+    stay = min(stays, key=lambda o: (-o.cached_tokens, o.cost_ms))
     if fastest.replica_id == stay.replica_id:
         return fastest
-    if fastest.estimate_ms <= stay.estimate_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS:
+    if fastest.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS:
         return fastest
     return stay
 
@@ -255,4 +292,5 @@ def _reason(chosen: Option, estimates: dict[str, float], num_tokens: int) -> str
         Mode.PULL: f"pull {chosen.reused_tokens}/{num_tokens} tokens from {chosen.holder}",
         Mode.RECOMPUTE: f"compute all {num_tokens} tokens",
     }[chosen.mode]
-    return f"{what}: {chosen.estimate_ms:.0f} ms" + (f" (vs {others})" if others else "")
+    slows = f", slowing requests beside it by {chosen.impact_ms:.0f} ms" if chosen.impact_ms >= 0.5 else ""
+    return f"{what}: {chosen.estimate_ms:.0f} ms{slows}" + (f" (vs {others})" if others else "")

@@ -233,3 +233,65 @@ def test_an_option_without_its_own_error_samples_pays_the_overhead_measured_for_
     assert cost.error.offset_ms(Mode.PULL, 1) == cost.error.offset_ms(Mode.LOCAL, 0) == 15.0
     assert cost.error.corrected(Mode.RECOMPUTE, 0, 4.0) == 19.0
     assert cost.error.corrected(Mode.LOCAL, 0, 100.0) == 115.0
+
+
+def contended(slowdown_per_busy_peer: float) -> CostModel:
+    """A calibrated model that has measured turns running `1 + slowdown_per_busy_peer` times slower beside one
+    busy engine on their node."""
+    cost = calibrated(prefill_ms_per_token=0.3)
+    for n in (200, 500, 1000):
+        cost.observe_prefill(n, 0, (1 + slowdown_per_busy_peer) * cost.recompute_ms(n), busy_peers=1)
+    return cost
+
+
+def test_an_idle_engine_beside_busy_ones_pays_for_the_slowdown_it_would_cause():
+    # "a" decodes three requests and has 100 tokens of prefill queued; "b" is idle on the same node.
+    views = [ReplicaView("a", running=3, prefill_tokens=100, prefilling=1),
+             ReplicaView("b", busy_peers=1, peer_requests=4)]
+    turn = dict(num_tokens=200, lookup=lookup(200), replicas=views, output_tokens=32)
+    # Where engines do not slow each other (nothing measured), the idle engine's first token comes sooner.
+    independent = plan_turn(**turn, cost=calibrated(prefill_ms_per_token=0.3))
+    assert independent.replica_id == "b" and independent.impact_ms == 0.0
+    # Where they do, the turn would also slow a's four requests for as long as it keeps "b" busy: it joins "a",
+    # though its own first token comes a little later there.
+    cost = contended(0.5)
+    joined = plan_turn(**turn, cost=cost)
+    assert joined.replica_id == "a" and joined.impact_ms == 0.0 and "slowing" not in joined.reason
+    assert joined.estimate_ms > joined.estimates_ms["recompute"] - 1e-6 and joined.estimate_ms > 97.5
+    # With a long queue on "a", the idle engine is worth the slowdown, and the plan says what it costs.
+    queued = [views[0]._replace(prefill_tokens=8000), views[1]]
+    moved = plan_turn(200, lookup(200), queued, cost, output_tokens=32)
+    assert moved.replica_id == "b" and moved.impact_ms == pytest.approx(
+        0.5 * 4 * (moved.estimate_ms + 32 * cost.decode_step_ms), rel=0.01)
+    assert "slowing requests beside it" in moved.reason
+
+
+def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_its_engines_contend():
+    n = 1024
+    history = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
+    views = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1, peer_requests=3)]
+    consolidated = plan_turn(n + 64, history, views, contended(0.5), output_tokens=32)
+    assert (consolidated.replica_id, consolidated.mode, consolidated.holder) == ("a", Mode.PULL, "b")
+    # Engines that do not slow each other: the turn stays with its history.
+    independent = plan_turn(n + 64, history, views, calibrated(prefill_ms_per_token=0.3), output_tokens=32)
+    assert (independent.replica_id, independent.mode) == ("b", Mode.LOCAL)
+
+
+def test_busy_peers_count_the_requests_of_busy_engines_on_the_same_node_only():
+    from app.turns import with_busy_peers
+
+    views = [ReplicaView("a", running=2, prefill_tokens=10, prefilling=1), ReplicaView("b"),
+             ReplicaView("c", running=1)]
+    out = {v.replica_id: v for v in with_busy_peers(views, {"a": "n1", "b": "n1", "c": "n2"})}
+    assert (out["b"].busy_peers, out["b"].peer_requests) == (1, 3)
+    assert (out["a"].busy_peers, out["a"].peer_requests) == (0, 0)
+    assert (out["c"].busy_peers, out["c"].peer_requests) == (0, 0)
+
+
+def test_a_turn_is_expected_to_decode_what_recent_turns_did_within_its_limit():
+    cost = calibrated()
+    assert cost.expected_output_tokens(256) == 256  # nothing measured: the limit
+    for _ in range(50):
+        cost.observe_output(20)
+    assert cost.expected_output_tokens(256) == 20
+    assert cost.expected_output_tokens(8) == 8
