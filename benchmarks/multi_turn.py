@@ -66,6 +66,9 @@ class BenchConfig(BaseModel):
     policies: list[Literal["round_robin", "session", "prefix_affinity", "fixed_threshold", "kvrelay"]] = list(
         POLICIES)
     seed: int = 0
+    # Runs of every policy. Round r serves fresh conversations (seed + r) with the policies in forward order on even
+    # rounds and reversed on odd ones, so a machine that drifts during the run does not favour a policy by its slot.
+    rounds: int = Field(default=1, ge=1)
     # Seconds between policies, so holds left by one (they keep engines stepping) expire before the next.
     settle_s: float = Field(default=12.0, ge=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
@@ -92,6 +95,7 @@ class Conversation(BaseModel):
 
 class RequestRecord(BaseModel):
     policy: str
+    round: int = 0
     conv_id: str
     turn: int
     ok: bool
@@ -123,8 +127,8 @@ def word_pool(tokenizer: Any) -> list[str]:
     return words
 
 
-def synthetic_conversations(config: BenchConfig, words: list[str]) -> list[Conversation]:
-    rng = random.Random(config.seed)
+def synthetic_conversations(config: BenchConfig, words: list[str], seed: int | None = None) -> list[Conversation]:
+    rng = random.Random(config.seed if seed is None else seed)
 
     def text(n: int) -> str:
         return " ".join(rng.choice(words) for _ in range(n))
@@ -406,29 +410,36 @@ def load_config(args: argparse.Namespace) -> BenchConfig:
         config = QUICK if args.quick else FULL
     if args.policies:
         config = config.model_copy(update={"policies": args.policies.split(",")})
-        BenchConfig.model_validate(config.model_dump())
-    return config
+    if args.rounds:
+        config = config.model_copy(update={"rounds": args.rounds})
+    return BenchConfig.model_validate(config.model_dump())
 
 
-async def benchmark(base_url: str, model: str, conversations: list[Conversation], config: BenchConfig,
+async def benchmark(base_url: str, model: str, rounds: list[list[Conversation]], config: BenchConfig,
                     run_id: str) -> tuple[dict[str, dict[str, Any]], list[RequestRecord]]:
+    """Every policy over each round's conversations (see `BenchConfig.rounds`); summaries pool the rounds."""
     # Warm-up under its own tenant: engines, NIXL handshakes and the ingress's cost model see traffic first.
-    warm = [c.model_copy(update={"user_messages": c.user_messages[:2]}) for c in conversations[:2]]
+    warm = [c.model_copy(update={"user_messages": c.user_messages[:2]}) for c in rounds[0][:2]]
     for policy in ("round_robin", "kvrelay"):
         await run_policy(base_url, model, policy, warm, config.model_copy(update={"concurrency": 2}),
                          f"{run_id}-warmup")
     await asyncio.sleep(config.settle_s)
-    summaries: dict[str, dict[str, Any]] = {}
-    all_records: list[RequestRecord] = []
-    for policy in config.policies:
-        print(f"policy {policy}: {len(conversations)} conversations", flush=True)
-        records, wall = await run_policy(base_url, model, policy, conversations, config, run_id)
-        summaries[policy] = summarize(records, wall)
-        all_records.extend(records)
-        print(f"policy {policy}: {json.dumps(summaries[policy]['ttft_ms'])} errors {summaries[policy]['errors']}",
-              flush=True)
-        await asyncio.sleep(config.settle_s)
-    return summaries, all_records
+    records_of: dict[str, list[RequestRecord]] = {p: [] for p in config.policies}
+    wall_of: dict[str, float] = dict.fromkeys(config.policies, 0.0)
+    for number, conversations in enumerate(rounds):
+        order = config.policies if number % 2 == 0 else config.policies[::-1]
+        for policy in order:
+            print(f"round {number} policy {policy}: {len(conversations)} conversations", flush=True)
+            records, wall = await run_policy(base_url, model, policy, conversations, config, f"{run_id}-r{number}")
+            for r in records:
+                r.round = number
+            records_of[policy].extend(records)
+            wall_of[policy] += wall
+            ttft = summarize(records, wall)["ttft_ms"]
+            print(f"round {number} policy {policy}: {json.dumps(ttft)}", flush=True)
+            await asyncio.sleep(config.settle_s)
+    summaries = {p: summarize(records_of[p], wall_of[p]) for p in config.policies}
+    return summaries, [r for p in config.policies for r in records_of[p]]
 
 
 def main() -> None:
@@ -441,6 +452,7 @@ def main() -> None:
     parser.add_argument("--serve-mode", choices=["default", "throughput_optimized"], default="throughput_optimized",
                         help="Ray Serve's request path when starting the app here (as `make serve` runs it)")
     parser.add_argument("--policies", help="comma-separated subset of " + ",".join(POLICIES))
+    parser.add_argument("--rounds", type=int, help="runs of every policy, in alternating order (default: config's)")
     args = parser.parse_args()
     config = load_config(args)
 
@@ -452,8 +464,11 @@ def main() -> None:
 
     model = config.model or DEFAULT_MODEL
     tokenizer = AutoTokenizer.from_pretrained(ensure_model(model))
-    conversations = (sharegpt_conversations(args.sharegpt, config, tokenizer) if args.sharegpt
-                     else synthetic_conversations(config, word_pool(tokenizer)))
+    if args.sharegpt:  # the same conversations every round (each round runs under its own tenants)
+        rounds = [sharegpt_conversations(args.sharegpt, config, tokenizer)] * config.rounds
+    else:
+        words = word_pool(tokenizer)
+        rounds = [synthetic_conversations(config, words, config.seed + r) for r in range(config.rounds)]
     app = None
     base_url = args.base_url
     started = time.time()
@@ -465,7 +480,7 @@ def main() -> None:
         print("cost model after start-up calibration:", json.dumps(app.ingress.calibrated.remote().result()),
               flush=True)
     try:
-        summaries, records = asyncio.run(benchmark(base_url, model, conversations, config, f"{started:.0f}"))
+        summaries, records = asyncio.run(benchmark(base_url, model, rounds, config, f"{started:.0f}"))
         ingress_stats = app.ingress.stats.remote().result() if app else None
     finally:
         if app is not None:

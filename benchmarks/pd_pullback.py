@@ -49,7 +49,7 @@ def run_app_modes(prefill_cache: bool, config: BenchConfig, throughput_optimized
                     decode_pool={"num_replicas": 1, "engine": {"enable_prefix_caching": True}}, **ENGINE)
     try:
         policies = [policy for _, policy in MODES[prefill_cache]]
-        summaries, _ = asyncio.run(benchmark(app.direct_url or app.base_url, model, conversations,
+        summaries, _ = asyncio.run(benchmark(app.direct_url or app.base_url, model, [conversations],
                                              config.model_copy(update={"policies": policies}),
                                              f"pd{int(prefill_cache)}-{time.time():.0f}"))
         stats = app.ingress.stats.remote().result()

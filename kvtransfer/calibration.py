@@ -75,6 +75,25 @@ async def calibrate(
                 await pull_after_recompute(n, ids[0], ids[1])
             else:
                 await turn([rng.randrange(100, vocab) for _ in range(n)], ("recompute", ids[0]))
+        if len(ids) > 1 and max_model_len >= 512:
+            await contention(run_turn, ids[0], ids[1], rng, vocab, [n for n in lengths if n <= 1024])
         logger.info("cost model calibrated on %s: %s", ids, cost.snapshot())
     except Exception:  # calibration only sharpens the priors; serving must not depend on it
         logger.exception("cost model calibration failed; keeping the priors")
+
+
+async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Random, vocab: int,
+                     lengths: list[int]) -> None:
+    """Time prefills on `measured` while `busy` works on a long turn: if the two engines share a node, the turn
+    path sees a busy peer and those prefills teach the cost model its slowdown per busy peer (else they are solo
+    samples). 256 decode steps keep `busy` working longer than the measured prefills take."""
+    background = asyncio.ensure_future(run_turn(
+        [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
+        ("recompute", busy), tenant=CALIBRATION_TENANT))
+    try:
+        await asyncio.sleep(0.05)  # the background turn is in flight (the runner counts it) before any is planned
+        for n in lengths:
+            await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
+                           tenant=CALIBRATION_TENANT)
+    finally:
+        await background
