@@ -106,6 +106,7 @@ class EngineReplica:
     # ----------------------------------------------------------------------------- serving
 
     def _sampling_params(self, request: GenerateRequest) -> Any:
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         s = request.sampling
@@ -143,7 +144,7 @@ class EngineReplica:
                 skip_reading_prefix_cache=True if request.skip_prefix_cache else None,
                 extra_args={"kv_transfer_params": self._transfer_params(request)},
             )
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:  # vLLM's validation errors are not all ValueErrors
             raise InvalidRequestError(str(exc)) from exc
 
     def _transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
@@ -169,6 +170,7 @@ class EngineReplica:
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[GenerateDelta]:
         """Stream one generation as deltas; the last delta carries totals and the hold the engine exported."""
         from vllm import TextPrompt, TokensPrompt
+        from vllm.exceptions import VLLMClientError
 
         request = GenerateRequest.model_validate(request)
         params = self._sampling_params(request)
@@ -216,10 +218,11 @@ class EngineReplica:
                     if metrics is not None and metrics.scheduled_ts and metrics.queued_ts:
                         delta.wait_s = metrics.scheduled_ts - metrics.queued_ts
                 yield delta
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:
             if first_token_at is not None:
                 raise
-            # vLLM validates on admission (e.g. a prompt longer than the context) with ValueError subclasses.
+            # vLLM validates on admission (e.g. a prompt longer than the context) with ValueError subclasses
+            # and its own client errors.
             raise InvalidRequestError(str(exc)) from exc
         finally:
             self.load.request_ended()

@@ -41,6 +41,7 @@ from app.responses import (
     chat_response,
     completion_chunks,
     completion_response,
+    openai_error,
     prepend,
     usage,
     validation_message,
@@ -56,6 +57,18 @@ from model_prep.store import ensure_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+SERVER_FAILED = "the server failed to serve this request (the error is logged); retry it"
+
+
+def invalid_request(exc: BaseException) -> InvalidRequestError | None:
+    """The replica's refusal of a request, however Ray or Serve wrapped it on the way back, else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, InvalidRequestError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
 
 
 def tenant_of(request: Request | None, explicit: str | None = None) -> str:
@@ -158,9 +171,17 @@ class Ingress:
                              request.headers.get("x-kvrelay-policy"))
             stream = self._run(turn)
             first = await anext(stream)  # planning and prefill errors surface here, before any byte is sent
+        except ValidationError as exc:  # a value the turn's sampling refuses (e.g. top_k=-5)
+            message, param = validation_message(exc)
+            self.metrics.errors.labels(kind="client").inc()
+            return ClientError(400, message, param=param).response()
         except ClientError as exc:
             self.metrics.errors.labels(kind="client").inc()
             return exc.response()
+        except Exception:  # ours, not the client's: logged here, never shown (it names actors and processes)
+            logger.exception("request failed before its first token")
+            self.metrics.errors.labels(kind="server").inc()
+            return openai_error(500, SERVER_FAILED, type_="server_error")
         outcome = first[1]
         headers = {"x-kvrelay-plan": json.dumps(outcome.public(), separators=(",", ":"))}
         if not req.stream:
@@ -177,10 +198,10 @@ class Ingress:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-        except Exception as exc:  # the status line is sent already; report in-band like OpenAI does
+        except Exception:  # the status line is sent already; report in-band like OpenAI does, without internals
             logger.exception("stream failed")
             self.metrics.errors.labels(kind="server").inc()
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+            yield f"data: {json.dumps({'error': {'message': SERVER_FAILED, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------------------ Python handle API
@@ -353,8 +374,11 @@ class Ingress:
                 if delta.finished:
                     self.metrics.observe_turn(outcome, delta, time.monotonic() - started)
                 yield delta, outcome
-        except InvalidRequestError as exc:
-            raise ClientError(400, str(exc)) from None
+        except Exception as exc:
+            refused = invalid_request(exc)
+            if refused is None:
+                raise
+            raise ClientError(400, str(refused)) from None
 
     async def _collect(
         self, turn: Turn, force: tuple[Mode, str] | None = None

@@ -31,7 +31,8 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # vLLM seeds a 64-bit generator: a larger seed would fail inside the engine.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -170,6 +170,8 @@ class TurnRunner:
         self.inflight = InFlight()
         self._background: set[asyncio.Task] = set()  # hold releases in flight (asyncio keeps weak refs only)
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
+        # (puller, holder) replica pairs whose NIXL agents have met (a pull between them succeeded).
+        self.met: set[tuple[str, str]] = set()
 
     def replicas(self) -> list[ReplicaStats]:
         return self.directory.live()
@@ -190,7 +192,7 @@ class TurnRunner:
         self._rotation += 1
         plan = plan_turn(
             len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation,
-            self._output_tokens(turn),
+            self._output_tokens(turn), self.met,
         )
         self.plan_ms.append((time.perf_counter() - started) * 1e3)
         return plan
@@ -315,6 +317,8 @@ class TurnRunner:
                     outcome.replica_id = delta.replica_id
                     outcome.reused_tokens = delta.num_cached_tokens
                     outcome.completion_tokens = delta.completion_tokens
+                    if request.pull is not None and plan.holder:
+                        self.met.add((delta.replica_id, plan.holder))  # their NIXL agents have shaken hands
                     if records_hold:
                         self._record_hold(turn, turn.token_ids + output, delta)
                     if prefills:

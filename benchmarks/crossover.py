@@ -9,6 +9,13 @@ turn path) of the same turn three ways, each on fresh conversations:
   recompute - on the other replica, computing everything.
 It records what the planner chooses for the turn (`chosen`), and what it chooses when the turn must run
 off the holder (`chosen_off_holder`, pull vs recompute), each with its regret against the measured best.
+
+Those points share their history lengths with the start-up calibration, so their regret is in-sample. The
+out-of-sample score (`out_of_sample`) uses history lengths and deltas the calibration never ran, half of them
+with the holder busy on another request (a background turn started just before), asks the planner before the
+point's own turns run, and scores beside it the fixed rules on the same measurements: always stay on the
+holder (`always_local`), always move off it and pull (`always_pull`), and vLLM's rule off the holder (pull
+when the hold has at least 64 tokens, else recompute: `vllm_threshold`).
 """
 
 from __future__ import annotations
@@ -48,6 +55,58 @@ def measure(ingress, vocab: int, history: int, delta: int, reps: int, replicas: 
     return {m: statistics.median(v) for m, v in ttft.items()}, plans[-1]
 
 
+# (history, delta) pairs none of the calibration's lengths (64, 256, 1024, 2048 + 32) match.
+OUT_OF_SAMPLE = [(40, 48), (160, 96), (640, 48), (1536, 160), (3072, 48)]
+RULES = ("planner", "always_local", "always_pull", "vllm_threshold")
+
+
+def measure_busy(ingress, vocab: int, history: int, delta: int, reps: int, replicas: list[str],
+                 rng: random.Random, busy: bool) -> tuple[dict[str, float], str]:
+    """Median TTFT per mode with the holder idle or busy (a 64-token decode started just before each turn), and
+    the mode the planner chose on the first repetition, asked before any of this point's turns ran."""
+    ttft: dict[str, list[float]] = {"local": [], "pull": [], "recompute": []}
+    chosen = ""
+    background_sampling = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+    for rep in range(reps):
+        holder, other = replicas[rep % 2], replicas[(rep + 1) % 2]
+        order = [("local", holder), ("pull", other), ("recompute", other)]
+        for mode, target in order[rep % 3:] + order[:rep % 3]:
+            prompt = [rng.randrange(100, vocab) for _ in range(history)]
+            first = ingress.turn.remote(prompt, GREEDY_ONE, ("recompute", holder)).result()
+            follow = prompt + first.token_ids + [rng.randrange(100, vocab) for _ in range(delta)]
+            background = None
+            if busy:
+                noise = [rng.randrange(100, vocab) for _ in range(128)]
+                background = ingress.turn.remote(noise, background_sampling, ("recompute", holder))
+                time.sleep(0.3)  # in flight, and seen by the planner, before the turn is planned
+            if not chosen:
+                plan = ingress.plan.remote(follow).result()
+                chosen = "local" if plan["replica"] == holder else plan["mode"]
+            ttft[mode].append(ingress.turn.remote(follow, GREEDY_ONE, (mode, target)).result().ttft_ms)
+            if background is not None:
+                background.result()
+    return {m: statistics.median(v) for m, v in ttft.items()}, chosen
+
+
+def out_of_sample(ingress, vocab: int, replicas: list[str], rng: random.Random, reps: int) -> dict:
+    """Regret of the planner and of the fixed rules at points the calibration never measured."""
+    points = []
+    for busy in (False, True):
+        for history, delta in OUT_OF_SAMPLE:
+            ttft, chosen = measure_busy(ingress, vocab, history, delta, reps, replicas, rng, busy)
+            modes = {"planner": chosen, "always_local": "local", "always_pull": "pull",
+                     "vllm_threshold": "pull" if history >= 64 else "recompute"}
+            point = {"history": history, "delta": delta, "holder_busy": busy, "reps": reps,
+                     "ttft_ms": {m: round(v, 1) for m, v in ttft.items()}, "modes": modes,
+                     "regret": {rule: regret(ttft, mode, ("local", "pull", "recompute"))
+                                for rule, mode in modes.items()}}
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    summary = {rule: {"mean_regret": round(statistics.fmean(p["regret"][rule] for p in points), 4),
+                      "max_regret": max(p["regret"][rule] for p in points)} for rule in RULES}
+    return {"points": points, "summary": summary}
+
+
 def regret(ttft: dict[str, float], chosen: str, among: tuple[str, ...]) -> float:
     best = min(ttft[m] for m in among)
     return round((ttft[chosen] - best) / best, 4)
@@ -83,8 +142,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="histories 64, 1024, 4096 and 2 repetitions (4 without)")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--out-of-sample-only", action="store_true",
+                        help="skip the in-sample points (calibration lengths); score only out of sample")
     args = parser.parse_args()
-    histories = [64, 1024, 4096] if args.quick else [64, 256, 1024, 2048, 4096]
+    histories = [] if args.out_of_sample_only else [64, 1024, 4096] if args.quick else [64, 256, 1024, 2048, 4096]
     reps = args.reps or (2 if args.quick else 4)
     deltas = [32, 256]
 
@@ -116,6 +177,8 @@ def main() -> None:
                 }
                 points.append(point)
                 print(json.dumps(point), flush=True)
+        scored = out_of_sample(ingress, vocab, replicas, rng, reps)
+        print("out of sample:", json.dumps(scored["summary"]), flush=True)
         cost = ingress.stats.remote().result()["cost_model"]
     finally:
         stop_app(app)
@@ -124,13 +187,15 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count()},
         "reps": reps,
         "points": points,
-        "max_regret": max(max(p["regret"], p["regret_off_holder"]) for p in points),
+        "max_regret": max((max(p["regret"], p["regret_off_holder"]) for p in points), default=None),
+        "out_of_sample": scored,
         "cost_model": cost,
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(points, args.out.with_suffix(".png"))
+    if points:
+        plot(points, args.out.with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("max_regret",)}), "written", args.out)
 
 

@@ -318,6 +318,11 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "measured_over_estimate_p50": {
             m: percentile([r.ttft_ms / r.estimate_ms for r in ok if r.mode == m and r.estimate_ms], 0.5)
             for m in sorted(modes) if any(r.mode == m and r.estimate_ms for r in ok)},
+        # Mean |estimated - measured| / measured TTFT per mode: how far off the planner's estimates were.
+        "estimate_error_mean": {
+            m: round(statistics.fmean(abs(r.estimate_ms - r.ttft_ms) / r.ttft_ms
+                                      for r in ok if r.mode == m and r.estimate_ms), 3)
+            for m in sorted(modes) if any(r.mode == m and r.estimate_ms for r in ok)},
         "wall_s": round(wall_s, 1),
     }
 

@@ -69,7 +69,7 @@ async def calibrate(
             # pair and direction): make those now and keep them out of the fit.
             await pull_after_recompute(64, ids[0], ids[1])
             await pull_after_recompute(64, ids[1], ids[0])
-            cost.discard_pull_samples()
+            cost.learn_handshake()
         for n in lengths:
             if len(ids) > 1:
                 await pull_after_recompute(n, ids[0], ids[1])

@@ -145,6 +145,8 @@ class CostModel:
         self.decode_step_ms = 20.0
         # Completion tokens of recent turns (a moving average): how long a turn typically decodes.
         self.typical_output_tokens: float | None = None
+        # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
+        self.handshake_ms = 0.0
 
     # ---------------------------------------------------------------- estimates (pure)
 
@@ -211,9 +213,13 @@ class CostModel:
         if num_tokens > 0 and ms > 0:
             self.pull.observe((1.0, float(self.kv_bytes(num_tokens))), ms)
 
-    def discard_pull_samples(self) -> None:
-        """Forget observed pulls and return to the priors (mutates): for samples known to be
-        unrepresentative, like the first pull between two engines, which includes NIXL's handshake."""
+    def learn_handshake(self) -> None:
+        """The pulls observed so far were each the first between their two engines (mutates): their mean transfer
+        time is what a pull costs between engines that have not met yet (NIXL's handshake, hundreds of ms), and
+        they are dropped as transfer samples, returning the pull fit to its priors."""
+        times = [ms for _, ms in self.pull.samples]
+        if times:
+            self.handshake_ms = float(np.mean(times))
         self.pull.samples.clear()
         self.pull.coef = np.asarray(self.PRIOR_PULL, dtype=float)
 
@@ -225,5 +231,6 @@ class CostModel:
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.typical_output_tokens,
+            "handshake_ms": self.handshake_ms,
             "estimate_error": self.error.as_dict(),
         }

@@ -117,6 +117,7 @@ def _options(
     cost: CostModel,
     targets: Collection[str] | None = None,
     output_tokens: int = 1,
+    met: Collection[tuple[str, str]] | None = None,
 ) -> list[Option]:
     live = {r.replica_id for r in replicas}
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
@@ -142,6 +143,8 @@ def _options(
             if hold.replica_id == replica.replica_id or reused <= cached:
                 continue
             transfer = cost.pull_ms(reused - cached)
+            if met is not None and (replica.replica_id, hold.replica_id) not in met:
+                transfer += cost.handshake_ms  # the target's first pull from this holder
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers)
             ms = queue + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
@@ -171,10 +174,12 @@ def plan_turn(
     policy: Policy = Policy.KVRELAY,
     rotation: int = 0,
     output_tokens: int = 1,
+    met: Collection[tuple[str, str]] | None = None,
 ) -> Plan:
     """Choose target replica and mode together; under `Policy.KVRELAY`, the lowest cost: estimated time to first
     token plus the delay imposed on requests running beside the target (`output_tokens`: how long the turn will
-    decode there, which is how long it keeps an idle target busy).
+    decode there, which is how long it keeps an idle target busy). `met`: the (puller, holder) pairs that have
+    pulled before; a pull between any other two replicas also pays NIXL's handshake (None: every pair has met).
 
     `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity; under
     `Policy.SESSION` it is the target. `rotation` is the caller's turn counter for the round-robin policies.
@@ -187,7 +192,7 @@ def plan_turn(
         raise ValueError("no live engine replica to plan on")
     if num_tokens <= 0:
         raise ValueError("a turn needs at least one prompt token")
-    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens)
+    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met)
     if not options:
         raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
     if force is not None:

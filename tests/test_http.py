@@ -121,6 +121,11 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({**GOOD, "kv_transfer_params": {"remote_block_ids": [[1]]}}, 400, "cannot be set by clients"),
         ({**GOOD, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context is 2048 tokens"),
         ({**GOOD, "max_tokens": 5000}, 400, "context is 2048 tokens"),
+        # Values the engine's sampling refuses: a clear 400, never a plain-text 500.
+        ({**GOOD, "top_k": -5}, 400, "top_k"),
+        ({**GOOD, "stop": ""}, 400, "stop"),
+        ({**GOOD, "min_tokens": 5}, 400, "min_tokens"),
+        ({**GOOD, "seed": 2**70}, 400, "seed"),
     ],
 )
 def test_bad_requests_get_openai_style_4xx(tiny_app, body, status, needle):

@@ -16,9 +16,14 @@ SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_hea
            "head_dim": 64}
 
 
-def calibrated(prefill_ms_per_token: float = 0.3, pull_fixed_ms: float = 8.0, gb_s: float = 2.0) -> CostModel:
+def calibrated(prefill_ms_per_token: float = 0.3, pull_fixed_ms: float = 8.0, gb_s: float = 2.0,
+               first_pulls_ms: tuple[float, ...] = ()) -> CostModel:
+    """A cost model after a start-up calibration whose first pull between each two engines took `first_pulls_ms`."""
     shape = KVShape.from_hf_config(SMOLLM2, "bfloat16", 32)
     cost = CostModel(shape.kv_bytes)
+    for ms in first_pulls_ms:
+        cost.observe_pull(64, ms)
+    cost.learn_handshake()
     for n in (64, 256, 1024, 2048):
         cost.observe_prefill(n, 0, 5.0 + prefill_ms_per_token * n)
     for n in (256, 1024, 4096):
@@ -295,3 +300,18 @@ def test_a_turn_is_expected_to_decode_what_recent_turns_did_within_its_limit():
         cost.observe_output(20)
     assert cost.expected_output_tokens(256) == 20
     assert cost.expected_output_tokens(8) == 8
+
+
+def test_a_first_pull_between_two_replicas_pays_the_measured_handshake():
+    # At start-up the first pull of each pair took about half a second; the link's fit learned from the rest.
+    cost = calibrated(prefill_ms_per_token=0.3, first_pulls_ms=(450.0, 550.0))
+    assert cost.handshake_ms == 500.0 and cost.pull.coef[0] == pytest.approx(8.0, rel=0.05)
+    n = 2048
+    history = lookup(n + 32, ReplicaMatch("a", n, "hold", n, hold("a", n)))
+    # The holder has one request's prefill queued: pulling to the idle "b" saves about 300 ms...
+    views = [ReplicaView("a", prefill_tokens=1000), ReplicaView("b")]
+    assert plan_turn(n + 32, history, views, cost, met={("b", "a")}).mode is Mode.PULL
+    # ...which a first pull from "a" to "b" would spend on the handshake: stay.
+    first = plan_turn(n + 32, history, views, cost, met=set())
+    assert (first.replica_id, first.mode) == ("a", Mode.LOCAL)
+    assert first.estimates_ms["pull"] > plan_turn(n + 32, history, views, cost, met={("b", "a")}).estimates_ms["pull"]
