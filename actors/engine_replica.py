@@ -213,6 +213,8 @@ class EngineReplica:
                     delta.num_cached_tokens = cached
                     delta.hold = Hold.from_params(out.kv_transfer_params)
                     delta.ran_alone = alone and first_token_at is not None
+                    if delta.ran_alone and completion > 1 and not self.load.started_since(started_as):
+                        delta.decode_step_s = (now - first_token_at) / (completion - 1)
                     delta.prefill_s = self.load.observe_finished(out, started, first_token_at, now, completion, alone)
                     metrics = out.metrics
                     if metrics is not None and metrics.scheduled_ts and metrics.queued_ts:

@@ -105,6 +105,8 @@ class GenerateDelta(BaseModel):
     wait_s: float | None = None
     # Whether the request had the engine to itself until its first token (its timings measure the model).
     ran_alone: bool = False
+    # Seconds per decode step, if the request had the engine to itself from start to finish.
+    decode_step_s: float | None = None
     replica_id: str = ""
 
 

@@ -361,6 +361,8 @@ class TurnRunner:
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused
         self.cost.observe_prefill(new_tokens, reused, prefill_ms, plan.busy_peers)
+        if last.decode_step_s is not None and plan.busy_peers == 0:
+            self.cost.observe_decode(last.decode_step_s * 1e3)
         if pulled and last.wait_s is not None:
             # vLLM schedules a pulling request once its KV has arrived: the wait before scheduling is the
             # transfer (plus any queueing, which an idle calibration avoids).

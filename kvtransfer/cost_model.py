@@ -142,7 +142,9 @@ class CostModel:
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
         self.contention = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), window)
         self.error = EstimateError(window)
+        # One decode step of a request alone on its engine (a moving average over such requests).
         self.decode_step_ms = 20.0
+        self._decode_samples = 0
         # Completion tokens of recent turns (a moving average): how long a turn typically decodes.
         self.typical_output_tokens: float | None = None
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
@@ -201,6 +203,13 @@ class CostModel:
         solo = self.recompute_ms(new_tokens, context_tokens)
         if solo > 0:
             self.contention.observe((float(busy_peers),), ms / solo - 1.0)
+
+    def observe_decode(self, step_ms: float) -> None:
+        """A decode step measured on a request that had its engine to itself (mutates the moving average)."""
+        if step_ms > 0:
+            self._decode_samples += 1
+            weight = 0.2 if self._decode_samples > 1 else 1.0  # the first measurement replaces the prior
+            self.decode_step_ms = (1 - weight) * self.decode_step_ms + weight * step_ms
 
     def observe_output(self, completion_tokens: int) -> None:
         """A finished turn's completion length (mutates the moving average)."""

@@ -3,9 +3,10 @@
 `plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
 the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
 with the lowest cost: its estimated time to first token plus the delay it would impose on requests already
-running beside it (an idle engine that starts work slows every busy engine sharing its node, by the measured
-contention). So a busy holder can lose the turn to an idle replica that pulls from it, and on a node whose
-engines slow each other a turn joins the busy engine unless waiting there costs more than the slowdown. The
+running (its prefill stalls the decode steps of the requests on its target; an idle engine that starts work
+slows every busy engine sharing its node, by the measured contention). So a busy holder can lose the turn to an
+idle replica that pulls from it, and on a node whose engines slow each other a short turn joins the busy engine
+while a long prefill goes to the idle one. The
 other policies are the routing rules users would otherwise run (round robin, session affinity, prefix
 affinity, vLLM's fixed pull threshold), chosen from the same options so that benchmarks
 compare them on the same engines and every plan still reports every estimate.
@@ -154,12 +155,17 @@ def _options(
 
 
 def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel) -> float:
-    """The delay a turn on `target` imposes on requests in flight beside it: none if the target is busy already
-    (the node's set of busy engines stays the same), else each request on the node's busy engines runs slower by
-    the measured contention for as long as the turn occupies the target (its compute, then its decode)."""
-    if not target.idle or not target.peer_requests:
+    """The delay a turn on `target` imposes on requests in flight beside it.
+
+    On a busy target, its compute runs inside the steps of the requests decoding there, delaying each by about
+    that long. On an idle target, the node gains a busy engine: each request on the node's busy engines runs
+    slower by the measured contention for as long as the turn occupies the target (its compute, then its decode).
+    """
+    if not target.idle:
+        return target.running * compute_ms
+    if not target.peer_requests:
         return 0.0
-    occupancy = compute_ms + output_tokens * cost.step_ms(target.load)
+    occupancy = compute_ms + output_tokens * cost.decode_step_ms
     return cost.contention_impact_ms(occupancy, target.peer_requests)
 
 
