@@ -82,14 +82,27 @@ class InFlight:
     """
 
     RETAIN_S = 5.0  # ended requests are kept this long, longer than any heartbeat is old
+    RATE_WINDOW_S = 10.0  # arrival rates count the requests sent this long ago at most
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         # replica -> request id -> [started_at, ended_at or None, prompt tokens still to prefill or None]
         self._requests: dict[str, dict[str, list]] = {}
+        self._arrivals: dict[str, deque[float]] = {}  # replica -> start times within the rate window
 
     def started(self, replica_id: str, request_id: str, new_tokens: int) -> None:
-        self._requests.setdefault(replica_id, {})[request_id] = [self._clock(), None, new_tokens]
+        now = self._clock()
+        self._requests.setdefault(replica_id, {})[request_id] = [now, None, new_tokens]
+        self._arrivals.setdefault(replica_id, deque()).append(now)
+
+    def arrival_rate(self, replica_id: str) -> float:
+        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S."""
+        arrivals = self._arrivals.get(replica_id)
+        if not arrivals:
+            return 0.0
+        while arrivals and arrivals[0] < self._clock() - self.RATE_WINDOW_S:
+            arrivals.popleft()
+        return len(arrivals) / self.RATE_WINDOW_S
 
     def first_token(self, replica_id: str, request_id: str) -> None:
         entry = self._requests.get(replica_id, {}).get(request_id)
@@ -120,6 +133,7 @@ class InFlight:
             decode_tok_s=stats.decode_tok_s,
             prefill_tokens=sum(prefilling),
             prefilling=len(prefilling),
+            arrival_rate=self.arrival_rate(stats.replica_id),
         )
 
 

@@ -7,7 +7,8 @@ Both are linear models fitted online by least squares over the most recent obser
     slowdown(p busy peers on the same node)        = 1 + s*p                          (shared CPUs, memory bandwidth)
 
 The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
-on the busy engines beside it by s for as long as the turn keeps it busy (`contention_impact_ms`).
+on the busy engines beside it by s for as long as the turn keeps it busy (`contention_impact_ms`; how long comes
+from the turn's prefill, its expected output tokens and the solo decode step, each measured here too).
 
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
 had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1).

@@ -3,13 +3,12 @@
 `plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
 the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
 with the lowest cost: its estimated time to first token plus the delay it would impose on requests already
-running (its prefill stalls the decode steps of the requests on its target; an idle engine that starts work
-slows every busy engine sharing its node, by the measured contention). So a busy holder can lose the turn to an
-idle replica that pulls from it, and on a node whose engines slow each other a short turn joins the busy engine
-while a long prefill goes to the idle one. The
-other policies are the routing rules users would otherwise run (round robin, session affinity, prefix
-affinity, vLLM's fixed pull threshold), chosen from the same options so that benchmarks
-compare them on the same engines and every plan still reports every estimate.
+running or about to arrive (requests arriving at a busy target wait for its prefill; an idle engine that starts
+work slows every busy engine sharing its node, by the measured contention). So a busy holder can lose the turn to
+an idle replica that pulls from it, and on a node whose engines slow each other a short turn joins the busy engine
+while a long prefill goes to the idle one. The other policies are the routing rules users would otherwise run
+(round robin, session affinity, prefix affinity, vLLM's fixed pull threshold), chosen from the same options so
+that benchmarks compare them on the same engines and every plan still reports every estimate.
 """
 
 from __future__ import annotations
@@ -57,6 +56,8 @@ class ReplicaView(NamedTuple):
     prefilling: int = 0
     # Requests in flight on those busy engines beside it: what this engine slows down when it starts work.
     peer_requests: int = 0
+    # Requests per second sent there lately: how many arrive while a new turn's prefill holds it.
+    arrival_rate: float = 0.0
 
     @property
     def load(self) -> LoadView:
@@ -78,7 +79,7 @@ class Option(NamedTuple):
     hold: HoldOffer | None = None
     # The fits' estimate before the planner's measured error scaled it (what that error is learned against).
     model_ms: float = 0.0
-    # Delay this option imposes on requests already in flight on busy engines of the target's node.
+    # Delay this option imposes on requests already running: on its target, or on busy engines beside it.
     impact_ms: float = 0.0
 
     @property
@@ -107,7 +108,7 @@ class Plan(NamedTuple):
     busy_peers: int = 0
     # The chosen option's estimate before correction by the planner's measured error.
     model_ms: float = 0.0
-    # The delay the chosen option imposes on requests running on busy engines beside its target.
+    # The delay the chosen option imposes on requests already running (on its target or beside it).
     impact_ms: float = 0.0
 
 
@@ -155,14 +156,15 @@ def _options(
 
 
 def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel) -> float:
-    """The delay a turn on `target` imposes on requests in flight beside it.
+    """The delay a turn on `target` imposes on other requests.
 
-    On a busy target, its compute runs inside the steps of the requests decoding there, delaying each by about
-    that long. On an idle target, the node gains a busy engine: each request on the node's busy engines runs
-    slower by the measured contention for as long as the turn occupies the target (its compute, then its decode).
+    On a busy target, requests that arrive while its prefill runs wait for it: at the target's recent arrival rate,
+    about rate x compute^2 / 2 in all, so a long prefill on a busy engine costs far more than a short one. On an
+    idle target, the node gains a busy engine: each request on the node's busy engines runs slower by the measured
+    contention for as long as the turn occupies the target (its compute, then its decode at the solo step).
     """
     if not target.idle:
-        return target.running * compute_ms
+        return target.arrival_rate / 1e3 * compute_ms**2 / 2
     if not target.peer_requests:
         return 0.0
     occupancy = compute_ms + output_tokens * cost.decode_step_ms

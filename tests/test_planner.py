@@ -252,25 +252,29 @@ def contended(slowdown_per_busy_peer: float) -> CostModel:
 
 def test_an_idle_engine_beside_busy_ones_pays_for_the_slowdown_it_would_cause():
     # "a" decodes three requests and has 100 tokens of prefill queued; "b" is idle on the same node.
-    views = [ReplicaView("a", running=3, prefill_tokens=100, prefilling=1),
+    views = [ReplicaView("a", running=3, prefill_tokens=100, prefilling=1, arrival_rate=2.0),
              ReplicaView("b", busy_peers=1, peer_requests=4)]
     turn = dict(num_tokens=200, lookup=lookup(200), replicas=views, output_tokens=32)
     # Where engines do not slow each other (nothing measured), the idle engine's first token comes sooner.
     independent = plan_turn(**turn, cost=calibrated(prefill_ms_per_token=0.3))
     assert independent.replica_id == "b" and independent.impact_ms == 0.0
-    # Where they do, the turn would also slow a's four requests for as long as it keeps "b" busy: it joins "a",
-    # though its own first token comes a little later there.
-    cost = contended(0.5)
+    # Where they do (10% here), the turn would also slow a's four requests for as long as it keeps "b" busy: it
+    # joins "a", though its own first token comes later there.
+    cost = contended(0.1)
     joined = plan_turn(**turn, cost=cost)
-    assert joined.replica_id == "a" and joined.estimate_ms > 97.5
-    # Joining "a" has its price too: its 65 ms prefill stalls the three requests decoding there.
-    assert joined.impact_ms == pytest.approx(3 * cost.recompute_ms(200), rel=0.01)
-    assert "slowing requests beside it by 195 ms" in joined.reason
+    assert joined.replica_id == "a" and joined.estimate_ms > joined.estimates_ms["recompute"]
+    # Joining "a" has its price too: requests arriving there (2 a second) wait for its 65 ms prefill.
+    assert joined.impact_ms == pytest.approx(2.0 / 1e3 * cost.recompute_ms(200) ** 2 / 2, rel=0.01)
+    # A long prefill would hold "a" for a second, and everything arriving meanwhile would wait: the idle engine
+    # is worth its contention then.
+    long_prefill = plan_turn(3000, lookup(3000), views, cost, output_tokens=32)
+    assert long_prefill.replica_id == "b"
+    assert "slowing requests beside it" in long_prefill.reason
     # With a long queue on "a", the idle engine is worth the slowdown, and the plan says what it costs.
     queued = [views[0]._replace(prefill_tokens=8000), views[1]]
     moved = plan_turn(200, lookup(200), queued, cost, output_tokens=32)
     assert moved.replica_id == "b" and moved.impact_ms == pytest.approx(
-        0.5 * 4 * (moved.estimate_ms + 32 * cost.decode_step_ms), rel=0.01)
+        0.1 * 4 * (moved.estimate_ms + 32 * cost.decode_step_ms), rel=0.01)
 
 
 def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_its_engines_contend():
