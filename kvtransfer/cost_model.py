@@ -127,6 +127,8 @@ class LoadView:
     prefill_tokens: int = 0
     # Other engines on the same node that are busy now (they share its CPUs).
     busy_peers: int = 0
+    # Whose speed factor applies ("" for a typical replica).
+    replica_id: str = ""
 
 
 class CostModel:
@@ -136,6 +138,7 @@ class CostModel:
     # until the start-up calibration replaces them.
     PRIOR_PREFILL = (20.0, 0.5, 0.0)
     PRIOR_PULL = (30.0, 1.0 / 1e6)  # fixed ms, ms per byte (1 GB/s)
+    MIN_SPEED_SAMPLES = 6
 
     def __init__(self, kv_bytes: Callable[[int], int], window: int = 64) -> None:
         self.kv_bytes = kv_bytes
@@ -150,16 +153,27 @@ class CostModel:
         self.typical_output_tokens: float | None = None
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
         self.handshake_ms = 0.0
+        # Per replica: recent measured / fleet-estimated prefill ratios, and their median once there are enough.
+        self._speed_ratios: dict[str, deque[float]] = {}
+        self._speed: dict[str, float] = {}
 
     # ---------------------------------------------------------------- estimates (pure)
 
-    def recompute_ms(self, new_tokens: int, context_tokens: int = 0, busy_peers: int = 0) -> float:
+    def recompute_ms(
+        self, new_tokens: int, context_tokens: int = 0, busy_peers: int = 0, replica_id: str | None = None
+    ) -> float:
         """Prefill `new_tokens` on top of `context_tokens` already in the replica's KV cache, while
-        `busy_peers` other engines on its node are busy."""
+        `busy_peers` other engines on its node are busy, on `replica_id` (at its measured speed) or a typical one."""
         if new_tokens <= 0:
             return 0.0
         solo = max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
-        return solo * self.slowdown(busy_peers)
+        return solo * self.slowdown(busy_peers) * self.speed_factor(replica_id)
+
+    def speed_factor(self, replica_id: str | None) -> float:
+        """How much longer than the fleet's fit a replica's prefills take (its recent median measured / estimated,
+        once it has MIN_SPEED_SAMPLES): replicas differ (a slower core, a noisy neighbour, another GPU), and one
+        can slow down mid-run."""
+        return self._speed.get(replica_id, 1.0) if replica_id is not None else 1.0
 
     def slowdown(self, busy_peers: int) -> float:
         """How much longer work takes on a replica while `busy_peers` other engines on its node are busy."""
@@ -177,8 +191,9 @@ class CostModel:
         """Wait before a new request's first token beyond its own prefill: the known prefills ahead of it,
         other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
         batches a new prefill with the running decodes, so they cost it about one step, not one each)."""
-        peers = load.busy_peers
-        ahead = self.recompute_ms(load.prefill_tokens, 0, peers) + load.waiting * self.recompute_ms(256, 0, peers)
+        peers, replica = load.busy_peers, load.replica_id
+        ahead = (self.recompute_ms(load.prefill_tokens, 0, peers, replica)
+                 + load.waiting * self.recompute_ms(256, 0, peers, replica))
         return ahead + (self.step_ms(load) if load.running else 0.0)
 
     def contention_impact_ms(self, occupancy_ms: float, peer_requests: int) -> float:
@@ -194,14 +209,24 @@ class CostModel:
 
     # ---------------------------------------------------------------- calibration (mutates)
 
-    def observe_prefill(self, new_tokens: int, context_tokens: int, ms: float, busy_peers: int = 0) -> None:
-        """A prefill that had its engine to itself; with busy peers it teaches the slowdown, else the fit."""
+    def observe_prefill(
+        self, new_tokens: int, context_tokens: int, ms: float, busy_peers: int = 0, replica_id: str | None = None
+    ) -> None:
+        """A prefill that had its engine to itself, on `replica_id`: it teaches the fleet's fit (or, if peers were
+        busy, the slowdown) and that replica's speed relative to the fit. The fit then describes the fleet's mix,
+        and fit x factor each replica, whatever the mix."""
         if new_tokens <= 0 or ms <= 0:
             return
+        fleet = self.recompute_ms(new_tokens, context_tokens, busy_peers)
+        if replica_id is not None and fleet > 0:
+            ratios = self._speed_ratios.setdefault(replica_id, deque(maxlen=32))
+            ratios.append(ms / fleet)
+            if len(ratios) >= self.MIN_SPEED_SAMPLES:
+                self._speed[replica_id] = float(np.median(ratios))
         if busy_peers <= 0:
             self.prefill.observe(_prefill_features(new_tokens, context_tokens), ms)
             return
-        solo = self.recompute_ms(new_tokens, context_tokens)
+        solo = self.recompute_ms(new_tokens, context_tokens, replica_id=replica_id)
         if solo > 0:
             self.contention.observe((float(busy_peers),), ms / solo - 1.0)
 
@@ -242,5 +267,6 @@ class CostModel:
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.typical_output_tokens,
             "handshake_ms": self.handshake_ms,
+            "replica_speed": {r: round(f, 3) for r, f in sorted(self._speed.items())},
             "estimate_error": self.error.as_dict(),
         }

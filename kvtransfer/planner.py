@@ -61,7 +61,8 @@ class ReplicaView(NamedTuple):
 
     @property
     def load(self) -> LoadView:
-        return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens, self.busy_peers)
+        return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens, self.busy_peers,
+                        self.replica_id)
 
     @property
     def idle(self) -> bool:
@@ -132,7 +133,7 @@ def _options(
         # vLLM computes at least the last prompt token, so at most num_tokens - 1 can be reused.
         cached = min(match.cached_tokens if match else 0, num_tokens - 1)
         queue = cost.queue_ms(replica.load)
-        compute = cost.recompute_ms(num_tokens - cached, cached, replica.busy_peers)
+        compute = cost.recompute_ms(num_tokens - cached, cached, replica.busy_peers, replica.replica_id)
         mode = Mode.LOCAL if cached > 0 else Mode.RECOMPUTE
         # A local turn supersedes the target's own hold of this history: the runner releases it after.
         own_hold = match.hold if match is not None and mode is Mode.LOCAL else None
@@ -147,7 +148,7 @@ def _options(
             transfer = cost.pull_ms(reused - cached)
             if met is not None and (replica.replica_id, hold.replica_id) not in met:
                 transfer += cost.handshake_ms  # the target's first pull from this holder
-            rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers)
+            rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             ms = queue + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
                                   cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms,
@@ -189,7 +190,7 @@ def plan_turn(
     decode there, which is how long it keeps an idle target busy). `met`: the (puller, holder) pairs that have
     pulled before; a pull between any other two replicas also pays NIXL's handshake (None: every pair has met).
 
-    `preferred_replica` (a session's usual replica) wins ties within 2%, so equal options keep affinity; under
+    `preferred_replica` (a session's usual replica) wins near-ties (2% and 5 ms), so equal options keep affinity; under
     `Policy.SESSION` it is the target. `rotation` is the caller's turn counter for the round-robin policies.
     `force` = (mode, replica) restricts the choice to that pair (tests and benchmarks measure every option);
     its estimates still cover every option. Raises ValueError if the forced option does not exist.
@@ -244,11 +245,12 @@ def plan_turn(
 
 
 def _fastest(options: Sequence[Option], preferred_replica: str | None) -> Option:
-    """The option with the lowest cost; within 2% of it, the preferred replica's."""
+    """The option with the lowest cost; within 2% and STAY_MARGIN_MS of it, the preferred replica's (replicas'
+    measured speeds differ by a few percent, and a short turn's estimates by a few milliseconds of noise)."""
     best_ms = min(o.cost_ms for o in options)
 
     def rank(o: Option) -> tuple[bool, float, float]:
-        near_best = o.cost_ms <= best_ms * 1.02 + 0.5
+        near_best = o.cost_ms <= best_ms * 1.02 + STAY_MARGIN_MS
         return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.cost_ms)
 
     return min(options, key=rank)

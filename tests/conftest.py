@@ -187,6 +187,8 @@ def tiny_app(serve_port) -> Iterator[ServedApp]:
 
     app = run_app("tiny", "/", serve_port, pool={"num_replicas": 2, "engine": dict(TINY_ENGINE, model="tiny-llama")})
     app.replica_ids(2)
+    # Tests that check placement start once the start-up calibration's own turns are done.
+    app.ingress.calibrated.remote().result()
     yield app
     serve.delete("tiny")
 

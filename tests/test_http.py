@@ -91,7 +91,8 @@ def test_session_header_is_a_placement_hint(client, tiny_app):
             resp = client.chat.completions.with_raw_response.create(
                 model=MODEL, messages=[{"role": "user", "content": f"short {session} {i}"}], max_tokens=2,
                 extra_headers={"X-Session-Id": session})
-            assert json.loads(resp.headers["x-kvrelay-plan"])["replica"] == replica, (session, i)
+            plan = json.loads(resp.headers["x-kvrelay-plan"])
+            assert plan["replica"] == replica, f"{session} turn {i}: {plan}"
 
 
 def test_models_health_and_metrics(tiny_app, client):

@@ -321,3 +321,22 @@ def test_a_first_pull_between_two_replicas_pays_the_measured_handshake():
     first = plan_turn(n + 32, history, views, cost, met=set())
     assert (first.replica_id, first.mode) == ("a", Mode.LOCAL)
     assert first.estimates_ms["pull"] > plan_turn(n + 32, history, views, cost, met={("b", "a")}).estimates_ms["pull"]
+
+
+def test_a_replica_measured_slower_than_the_rest_is_estimated_slower():
+    cost = calibrated(prefill_ms_per_token=0.3)
+    truth = calibrated(prefill_ms_per_token=0.3)  # what "fast" takes; "slow" takes twice as long
+    for _ in range(4):
+        for n in (100, 200, 300, 400, 500, 600):
+            cost.observe_prefill(n, 0, 2 * truth.recompute_ms(n), replica_id="slow")
+            cost.observe_prefill(n, 0, truth.recompute_ms(n), replica_id="fast")
+    # The fleet's fit now describes the mix of both; fit x factor describes each replica.
+    assert cost.recompute_ms(1000, replica_id="slow") == pytest.approx(2 * 305.0, rel=0.15)
+    assert cost.recompute_ms(1000, replica_id="fast") == pytest.approx(305.0, rel=0.15)
+    # A conversation held on "slow" whose new turn is long is pulled to "fast" rather than computed on "slow".
+    n = 1024
+    history = lookup(n + 512, ReplicaMatch("slow", n, "hold", n, hold("slow", n)))
+    plan = plan_turn(n + 512, history, [ReplicaView("slow"), ReplicaView("fast")], cost)
+    assert (plan.replica_id, plan.mode) == ("fast", Mode.PULL)
+    speeds = cost.snapshot()["replica_speed"]
+    assert speeds["slow"] > 1.5 * speeds["fast"]
