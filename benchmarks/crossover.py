@@ -33,25 +33,28 @@ from benchmarks.common import start_app, stop_app
 GREEDY_ONE = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 
 
-def measure(ingress, vocab: int, history: int, delta: int, reps: int, replicas: list[str], rng: random.Random):
-    """Median TTFT per mode, and the planner's last (any target, off the holder) plans.
-
-    The replicas swap roles every repetition and the modes rotate their order, so neither a slower core nor
-    drift over the run lands on one mode: use an even number of repetitions.
-    """
-    ttft: dict[str, list[float]] = {"local": [], "pull": [], "recompute": []}
-    plans: list[tuple[dict, dict]] = []
+def turns(ingress, vocab: int, history: int, delta: int, reps: int, replicas: list[str], rng: random.Random):
+    """Yields (mode, target, holder, other, follow-up turn) for each repetition and mode, after the holder has run
+    the history. The replicas swap roles every repetition and the modes rotate their order, so neither a slower
+    core nor drift over the run lands on one mode: use an even number of repetitions."""
     for rep in range(reps):
         holder, other = replicas[rep % 2], replicas[(rep + 1) % 2]
         order = [("local", holder), ("pull", other), ("recompute", other)]
         for mode, target in order[rep % 3:] + order[:rep % 3]:
             prompt = [rng.randrange(100, vocab) for _ in range(history)]
             first = ingress.turn.remote(prompt, GREEDY_ONE, ("recompute", holder)).result()
-            follow = prompt + first.token_ids + [rng.randrange(100, vocab) for _ in range(delta)]
-            if mode == "local":  # ask the planner before the turn consumes anything
-                plans.append((ingress.plan.remote(follow).result(), ingress.plan.remote(follow, [other]).result()))
-            result = ingress.turn.remote(follow, GREEDY_ONE, (mode, target)).result()
-            ttft[mode].append(result.ttft_ms)
+            yield mode, target, holder, other, prompt + first.token_ids + [rng.randrange(100, vocab)
+                                                                            for _ in range(delta)]
+
+
+def measure(ingress, vocab: int, history: int, delta: int, reps: int, replicas: list[str], rng: random.Random):
+    """Median TTFT per mode, and the planner's last (any target, off the holder) plans."""
+    ttft: dict[str, list[float]] = {"local": [], "pull": [], "recompute": []}
+    plans: list[tuple[dict, dict]] = []
+    for mode, target, _, other, follow in turns(ingress, vocab, history, delta, reps, replicas, rng):
+        if mode == "local":  # ask the planner before the turn consumes anything
+            plans.append((ingress.plan.remote(follow).result(), ingress.plan.remote(follow, [other]).result()))
+        ttft[mode].append(ingress.turn.remote(follow, GREEDY_ONE, (mode, target)).result().ttft_ms)
     return {m: statistics.median(v) for m, v in ttft.items()}, plans[-1]
 
 
@@ -67,24 +70,18 @@ def measure_busy(ingress, vocab: int, history: int, delta: int, reps: int, repli
     ttft: dict[str, list[float]] = {"local": [], "pull": [], "recompute": []}
     chosen = ""
     background_sampling = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
-    for rep in range(reps):
-        holder, other = replicas[rep % 2], replicas[(rep + 1) % 2]
-        order = [("local", holder), ("pull", other), ("recompute", other)]
-        for mode, target in order[rep % 3:] + order[:rep % 3]:
-            prompt = [rng.randrange(100, vocab) for _ in range(history)]
-            first = ingress.turn.remote(prompt, GREEDY_ONE, ("recompute", holder)).result()
-            follow = prompt + first.token_ids + [rng.randrange(100, vocab) for _ in range(delta)]
-            background = None
-            if busy:
-                noise = [rng.randrange(100, vocab) for _ in range(128)]
-                background = ingress.turn.remote(noise, background_sampling, ("recompute", holder))
-                time.sleep(0.3)  # in flight, and seen by the planner, before the turn is planned
-            if not chosen:
-                plan = ingress.plan.remote(follow).result()
-                chosen = "local" if plan["replica"] == holder else plan["mode"]
-            ttft[mode].append(ingress.turn.remote(follow, GREEDY_ONE, (mode, target)).result().ttft_ms)
-            if background is not None:
-                background.result()
+    for mode, target, holder, _, follow in turns(ingress, vocab, history, delta, reps, replicas, rng):
+        background = None
+        if busy:
+            noise = [rng.randrange(100, vocab) for _ in range(128)]
+            background = ingress.turn.remote(noise, background_sampling, ("recompute", holder))
+            time.sleep(0.3)  # in flight, and seen by the planner, before the turn is planned
+        if not chosen:
+            plan = ingress.plan.remote(follow).result()
+            chosen = "local" if plan["replica"] == holder else plan["mode"]
+        ttft[mode].append(ingress.turn.remote(follow, GREEDY_ONE, (mode, target)).result().ttft_ms)
+        if background is not None:
+            background.result()
     return {m: statistics.median(v) for m, v in ttft.items()}, chosen
 
 
