@@ -139,6 +139,7 @@ class CostModel:
     PRIOR_PREFILL = (20.0, 0.5, 0.0)
     PRIOR_PULL = (30.0, 1.0 / 1e6)  # fixed ms, ms per byte (1 GB/s)
     MIN_SPEED_SAMPLES = 6
+    MIN_SPEED_TOKENS = 128
 
     def __init__(self, kv_bytes: Callable[[int], int], window: int = 64) -> None:
         self.kv_bytes = kv_bytes
@@ -170,9 +171,9 @@ class CostModel:
         return solo * self.slowdown(busy_peers) * self.speed_factor(replica_id)
 
     def speed_factor(self, replica_id: str | None) -> float:
-        """How much longer than the fleet's fit a replica's prefills take (its recent median measured / estimated,
-        once it has MIN_SPEED_SAMPLES): replicas differ (a slower core, a noisy neighbour, another GPU), and one
-        can slow down mid-run."""
+        """How much longer than the fleet's fit a replica's prefills take: its recent median measured / estimated
+        over prefills of at least MIN_SPEED_TOKENS, once it has MIN_SPEED_SAMPLES. Replicas differ (a slower core,
+        a noisy neighbour, another GPU), and one can slow down mid-run."""
         return self._speed.get(replica_id, 1.0) if replica_id is not None else 1.0
 
     def slowdown(self, busy_peers: int) -> float:
@@ -218,7 +219,8 @@ class CostModel:
         if new_tokens <= 0 or ms <= 0:
             return
         fleet = self.recompute_ms(new_tokens, context_tokens, busy_peers)
-        if replica_id is not None and fleet > 0:
+        # Short prefills measure the fit's error at small lengths (overheads), not the replica's speed.
+        if replica_id is not None and fleet > 0 and new_tokens >= self.MIN_SPEED_TOKENS:
             ratios = self._speed_ratios.setdefault(replica_id, deque(maxlen=32))
             ratios.append(ms / fleet)
             if len(ratios) >= self.MIN_SPEED_SAMPLES:

@@ -327,7 +327,7 @@ def test_a_replica_measured_slower_than_the_rest_is_estimated_slower():
     cost = calibrated(prefill_ms_per_token=0.3)
     truth = calibrated(prefill_ms_per_token=0.3)  # what "fast" takes; "slow" takes twice as long
     for _ in range(4):
-        for n in (100, 200, 300, 400, 500, 600):
+        for n in (200, 300, 400, 500, 600, 700):
             cost.observe_prefill(n, 0, 2 * truth.recompute_ms(n), replica_id="slow")
             cost.observe_prefill(n, 0, truth.recompute_ms(n), replica_id="fast")
     # The fleet's fit now describes the mix of both; fit x factor describes each replica.
@@ -340,3 +340,7 @@ def test_a_replica_measured_slower_than_the_rest_is_estimated_slower():
     assert (plan.replica_id, plan.mode) == ("fast", Mode.PULL)
     speeds = cost.snapshot()["replica_speed"]
     assert speeds["slow"] > 1.5 * speeds["fast"]
+    # Short prefills say more about the fit's overheads than about a replica: they teach no speed.
+    for _ in range(10):
+        cost.observe_prefill(20, 0, 10 * cost.recompute_ms(20), replica_id="fast")
+    assert cost.snapshot()["replica_speed"]["fast"] == speeds["fast"]
