@@ -3,18 +3,25 @@
 `EngineReplica` is a plain class; `app/builder.py` wraps it with `serve.deployment`, and tests or benchmarks may
 also construct it directly inside one process. Where its engine runs is `actors/engine_site.py`, starting it
 `actors/vllm_engine.py`, its load figures `actors/engine_stats.py`, its reports to the KV directory
-`actors/directory_reporter.py`. vLLM is imported only when an engine starts, so importing this module is cheap.
+`actors/directory_reporter.py`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
+
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+    GenerateLogProb,
+    GenerateLogProbs,
+    GenerateLogProbsContent,
+)
 
 from actors.directory_reporter import DirectoryReporter
 from actors.engine_site import choose_site
@@ -35,6 +42,32 @@ from kvtransfer.types import Hold
 from model_prep.store import ensure_model
 
 logger = logging.getLogger(__name__)
+
+
+# The OpenAI shapes' floor for a logprob (-inf and NaN do not survive JSON).
+LOGPROB_FLOOR = -9999.0
+
+
+def _clamp(logprob: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
+
+
+def token_logprobs(token_ids: Sequence[int], logprobs: Any, top: int | None) -> GenerateLogProbs | None:
+    """The sampled tokens' logprobs and up to `top` alternatives each, in vLLM's token-in-token-out shape."""
+    if logprobs is None or top is None:
+        return None
+    content = []
+    for token_id, step in zip(token_ids, logprobs, strict=True):
+        sampled = step.get(token_id) if step else None
+        alternatives = sorted(step.items(), key=lambda kv: kv[1].rank or 0)[: max(top, 0)] if step else []
+        content.append(GenerateLogProbsContent(
+            token_id=token_id,
+            logprob=_clamp(sampled.logprob) if sampled else LOGPROB_FLOOR,
+            rank=(sampled.rank or None) if sampled else None,
+            top_logprobs=[GenerateLogProb(token_id=t, logprob=_clamp(lp.logprob), rank=lp.rank or None)
+                          for t, lp in alternatives],
+        ))
+    return GenerateLogProbs(content=content)
 
 
 def _replica_context() -> tuple[str, int, str]:
@@ -106,46 +139,31 @@ class EngineReplica:
     # ----------------------------------------------------------------------------- serving
 
     def _sampling_params(self, request: GenerateRequest) -> Any:
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        """The request's SamplingParams as this replica runs them: deltas out, and the KV transfer it makes."""
+        from vllm.sampling_params import RequestOutputKind
 
-        s = request.sampling
-        if s.prompt_logprobs is not None and self.config.fast_prefill:
+        params = request.params.clone()
+        if params.n != 1:
+            raise InvalidRequestError(f"n={params.n}: a replica runs one sequence per request; send n=1")
+        if params.prompt_logprobs is not None and self.config.fast_prefill:
             raise InvalidRequestError(
                 "prompt_logprobs cannot be served by a replica running KV-sharing fast prefill (the "
                 "shared layers skip prompt positions, so prompt logprobs would be wrong); drop "
                 "prompt_logprobs or use a deployment with kv_sharing_fast_prefill=false"
             )
         if request.prompt_token_ids is not None:
-            total = len(request.prompt_token_ids) + s.max_tokens
+            total = len(request.prompt_token_ids) + (params.max_tokens or 0)
             if total > self.config.max_model_len:
                 raise InvalidRequestError(
-                    f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens ({s.max_tokens}) "
+                    f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                     f"exceeds this model's context of {self.config.max_model_len} tokens; shorten the "
                     "prompt or lower max_tokens"
                 )
-        try:
-            return SamplingParams(
-                n=1,
-                max_tokens=s.max_tokens,
-                min_tokens=s.min_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                seed=s.seed,
-                stop=s.stop or None,
-                stop_token_ids=s.stop_token_ids or None,
-                ignore_eos=s.ignore_eos,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                logprobs=s.logprobs,
-                prompt_logprobs=s.prompt_logprobs,
-                output_kind=RequestOutputKind.DELTA,
-                skip_reading_prefix_cache=True if request.skip_prefix_cache else None,
-                extra_args={"kv_transfer_params": self._transfer_params(request)},
-            )
-        except (ValueError, VLLMClientError) as exc:  # vLLM's validation errors are not all ValueErrors
-            raise InvalidRequestError(str(exc)) from exc
+        params.output_kind = RequestOutputKind.DELTA
+        if request.skip_prefix_cache:
+            params.skip_reading_prefix_cache = True
+        params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": self._transfer_params(request)}
+        return params
 
     def _transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
         """vLLM's `kv_transfer_params` for this request: read the KV it names (a pull, or P/D decode), else export
@@ -201,6 +219,7 @@ class EngineReplica:
                 delta = GenerateDelta(
                     token_ids=list(completion_out.token_ids),
                     text=completion_out.text,
+                    logprobs=token_logprobs(completion_out.token_ids, completion_out.logprobs, params.logprobs),
                     replica_id=self.replica_id,
                 )
                 if out.finished:

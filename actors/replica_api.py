@@ -6,6 +6,8 @@ These are plain pydantic models so they cross Ray process boundaries unchanged a
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
+from vllm.sampling_params import SamplingParams
 
 from kvtransfer.types import Hold
 
@@ -20,7 +22,10 @@ class InvalidRequestError(ValueError):
 
 
 class Sampling(BaseModel):
-    """The subset of vLLM's SamplingParams that kvrelay exposes."""
+    """Sampling for token-level turns (`Ingress.turn`, benchmarks, calibration): a subset of vLLM's SamplingParams.
+
+    OpenAI requests get theirs from vLLM's own front end; both reach the replica as a `SamplingParams`.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,16 +43,22 @@ class Sampling(BaseModel):
     logprobs: int | None = Field(default=None, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0)
 
+    def to_params(self) -> SamplingParams:
+        """vLLM's SamplingParams; vLLM's own checks apply (a VLLMValidationError names the bad field)."""
+        return SamplingParams(**self.model_dump(exclude_none=True, exclude={"stop", "stop_token_ids"}),
+                              stop=self.stop or None, stop_token_ids=self.stop_token_ids or None)
+
 
 class GenerateRequest(BaseModel):
     """One generation on one replica. Exactly one of `prompt_token_ids` and `prompt` is given."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     request_id: str
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
-    sampling: Sampling = Field(default_factory=Sampling)
+    # One sequence (n=1); the replica sets how outputs stream and the KV transfer fields itself.
+    params: SamplingParams = Field(default_factory=SamplingParams)
     # Set by the turn runner only, never taken from a client: they name KV blocks another engine holds.
     # `pull`: read this hold's tokens' KV over NIXL, compute the rest of the prompt.
     pull: Hold | None = None
@@ -90,6 +101,8 @@ class GenerateDelta(BaseModel):
 
     token_ids: list[int]
     text: str
+    # Per token of `token_ids`, when the request asked for logprobs (vLLM's token-in-token-out shape).
+    logprobs: GenerateLogProbs | None = None
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0

@@ -52,7 +52,9 @@ class DisaggregatedTurnRunner(TurnRunner):
     ) -> AsyncIterator[GenerateDelta]:
         """Prefill on P (pulling the history when planned) with one output token, then P->D and decode on D."""
         skip_cache = force is not None and force[0] is Mode.RECOMPUTE
-        prefill = replace(turn, sampling=turn.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
+        params = turn.params.clone()
+        params.max_tokens, params.min_tokens = 1, 0
+        prefill = replace(turn, params=params)
         # P's own hold is D's to read, so it is not recorded.
         request = self._request(prefill, plan, "prefill", pull, skip_cache=skip_cache)
         prefilled = [d async for d in self._attempt(prefill, plan, request, outcome, started, records_hold=False)]

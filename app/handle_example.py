@@ -2,7 +2,8 @@
 
     python -m app.handle_example --address 127.0.0.1:6379 [--app kvrelay] [--stream]
 
-The handle API takes the same typed requests as the HTTP endpoint and returns typed responses.
+The handle API takes the same requests as the HTTP endpoint (vLLM's request models, or plain dicts) and returns
+vLLM's response models with a `kvrelay` field saying how the turn was planned.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import os
 
 async def main_async(args: argparse.Namespace) -> None:
     from ray import serve
-
-    from app.openai_protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     handle = serve.get_app_handle(args.app)
     model = args.model
@@ -31,7 +31,7 @@ async def main_async(args: argparse.Namespace) -> None:
         return
     request = ChatCompletionRequest(model=model, messages=messages, max_tokens=args.max_tokens, temperature=0)
     response = await handle.chat.remote(request)
-    print(response.choices[0].message["content"])
+    print(response.choices[0].message.content)
     print(f"[usage] {response.usage.model_dump()}")
     print(f"[plan] {response.kvrelay.model_dump()}")
 

@@ -1,49 +1,49 @@
-"""The ingress deployment: OpenAI-style HTTP (Starlette) and typed Python handle methods, one turn path.
+"""The ingress deployment: OpenAI-compatible HTTP (Starlette) and Python handle methods, one turn path.
 
-HTTP and handle calls both become a `Turn` (the conversation's token ids) run by `app.turns.TurnRunner` (or
-`app.disaggregated.DisaggregatedTurnRunner` when the app has a decode pool).
-Every response says how its turn was planned: the `x-kvrelay-plan` header and a `kvrelay` object.
+A request is read, rendered to token ids and answered by vLLM's own front end (`app/frontend.py`); in between,
+each prompt becomes a `Turn` run by `app.turns.TurnRunner` (or `app.disaggregated.DisaggregatedTurnRunner` when
+the app has a decode pool). Every response says how its turn was planned: the `x-kvrelay-plan` header and a
+`kvrelay` object. With API keys configured, every route but /health and /version needs one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest as RenderedRequest
 
 from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.disaggregated import DisaggregatedTurnRunner
+from app.frontend import Frontend, OpenAIRequest
 from app.metrics import IngressMetrics
-from app.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    KVRelayInfo,
-    TurnResult,
-    new_id,
-    now,
-)
 from app.responses import (
     ClientError,
-    chat_chunks,
-    chat_response,
-    completion_chunks,
-    completion_response,
+    KVRelayInfo,
+    TurnResult,
+    TurnUsage,
+    new_id,
+    now,
     openai_error,
     prepend,
-    usage,
     validation_message,
 )
 from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
@@ -56,8 +56,11 @@ from model_prep.store import ensure_model
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 256
 SERVER_FAILED = "the server failed to serve this request (the error is logged); retry it"
+# A file of API keys, one per line, read at start-up in addition to the config's `openai.api_keys`.
+API_KEYS_FILE_ENV = "KVRELAY_API_KEYS_FILE"
+# Routes anyone may call when API keys are configured.
+OPEN_ROUTES = ("/health", "/version")
 
 
 def invalid_request(exc: BaseException) -> InvalidRequestError | None:
@@ -71,12 +74,22 @@ def invalid_request(exc: BaseException) -> InvalidRequestError | None:
     return None
 
 
-def tenant_of(request: Request | None, explicit: str | None = None) -> str:
-    """A tenant key from the API key (hashed, never stored), so tenants never share KV."""
-    if explicit:
-        return explicit
-    auth = request.headers.get("authorization", "") if request is not None else ""
-    return hashlib.blake2b(auth.encode(), digest_size=12).hexdigest() if auth else ""
+def hashed(secret: str) -> str:
+    """A tenant key from an API key or Authorization header: tenants never share KV, and the secret is not kept."""
+    return hashlib.blake2b(secret.encode(), digest_size=12).hexdigest() if secret else ""
+
+
+def load_api_keys(configured: list[str]) -> list[str]:
+    keys = list(configured)
+    path = os.environ.get(API_KEYS_FILE_ENV)
+    if path:
+        keys += [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    return keys
+
+
+def with_kvrelay(body: BaseModel, outcome: TurnOutcome) -> dict[str, Any]:
+    """An OpenAI body as JSON-ready dict, with the `kvrelay` object saying how its turn was served."""
+    return {**body.model_dump(mode="json"), "kvrelay": outcome.public()}
 
 
 @serve.ingress()
@@ -86,15 +99,17 @@ class Ingress:
     async def __init__(
         self, config: dict[str, Any], directory: DeploymentHandle, engines: DeploymentHandle, **pools: DeploymentHandle
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.config = AppConfig.model_validate(config)
         engine = self.config.pool.engine
-        self.model = engine.model
+        self.model = self.config.openai.served_model_name or engine.model
         self.max_model_len = engine.max_model_len
         self.fast_prefill = engine.fast_prefill
-        model_dir = ensure_model(self.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model_dir = ensure_model(engine.model)
+        self.frontend = Frontend(model_dir, self.model, engine.max_model_len, self.config.openai)
+        self.api_keys = load_api_keys(self.config.openai.api_keys)
+        if not self.api_keys:
+            logger.warning("no API keys configured: every endpoint is open to anyone who can reach it "
+                           "(set openai.api_keys or %s)", API_KEYS_FILE_ENV)
         shape = KVShape.from_model_dir(model_dir, engine.dtype, engine.block_size)
         self.directory = directory
         self.mirror = DirectoryMirror(directory, engine.block_size)
@@ -102,29 +117,57 @@ class Ingress:
         cost = CostModel(shape.kv_bytes)
         decode_engines = pools.get("decode_engines")
         if decode_engines is None:
-            self.runner = TurnRunner(engines, self.mirror, cost, self.model, engine.block_size, engine.nixl.hold_ttl_s)
+            self.runner = TurnRunner(
+                engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s
+            )
         else:
             self.runner = DisaggregatedTurnRunner(
-                engines, decode_engines, self.mirror, cost, self.model, engine.block_size, engine.nixl.hold_ttl_s
+                engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s
             )
         self.metrics = IngressMetrics()
         self.created = now()
+        vocab = len(self.frontend.renderer.renderer.get_tokenizer())
         self._calibration = asyncio.get_running_loop().create_task(calibrate(
-            self.turn, self._prefill_replicas, self.config.pool.num_replicas, cost, len(self.tokenizer),
-            self.max_model_len,
+            self.turn, self._prefill_replicas, self.config.pool.num_replicas, cost, vocab, self.max_model_len,
         ))
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        return Starlette(
-            routes=[
-                Route("/health", self.health, methods=["GET"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/v1/chat/completions", self.http_chat, methods=["POST"]),
-                Route("/v1/completions", self.http_completions, methods=["POST"]),
-                Route("/metrics", self.http_metrics, methods=["GET"]),
-                Route("/kvrelay/stats", self.http_stats, methods=["GET"]),
-            ]
-        )
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.http_chat, methods=["POST"]),
+            Route("/v1/completions", self.http_completions, methods=["POST"]),
+            Route("/tokenize", self.http_tokenize, methods=["POST"]),
+            Route("/detokenize", self.http_detokenize, methods=["POST"]),
+            Route("/metrics", self.http_metrics, methods=["GET"]),
+            Route("/kvrelay/stats", self.http_stats, methods=["GET"]),
+        ]
+        return Starlette(routes=[Route(r.path, self._guarded(r.endpoint), methods=r.methods) for r in routes])
+
+    def _guarded(self, endpoint):
+        """The route behind the API-key check (open routes and a keyless deployment pass through)."""
+        async def guarded(request: Request) -> Response:
+            if self.api_keys and request.url.path not in OPEN_ROUTES and self._key(request) is None:
+                self.metrics.errors.labels(kind="client").inc()
+                return openai_error(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                                    code="invalid_api_key")
+            return await endpoint(request)
+        return guarded
+
+    def _key(self, request: Request) -> str | None:
+        """The configured API key the request carries, else None."""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        key = key.strip()
+        return next((k for k in self.api_keys if hmac.compare_digest(k.encode(), key.encode())), None)
+
+    def _tenant(self, request: Request) -> str:
+        """Whose KV a request's turn is: its API key (hashed), or without keys its Authorization header (hashed)."""
+        if self.api_keys:
+            return hashed(self._key(request) or "")
+        return hashed(request.headers.get("authorization", ""))
 
     # ------------------------------------------------------------------------------ HTTP routes
 
@@ -134,9 +177,14 @@ class Ingress:
             return JSONResponse({"status": "starting", "replicas": 0}, 503)
         return JSONResponse({"status": "ok", "replicas": len(replicas)})
 
+    async def version(self, request: Request) -> JSONResponse:
+        import vllm
+
+        return JSONResponse({"version": vllm.__version__, "kvrelay": _kvrelay_version()})
+
     async def models(self, request: Request) -> JSONResponse:
         card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "kvrelay",
-                "max_model_len": self.max_model_len}
+                "root": self.config.pool.engine.model, "max_model_len": self.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def http_metrics(self, request: Request) -> Response:
@@ -146,32 +194,55 @@ class Ingress:
     async def http_stats(self, request: Request) -> JSONResponse:
         return JSONResponse(await self.stats())
 
+    async def http_tokenize(self, request: Request) -> Response:
+        return await self._tokenization(request, self.frontend.tokenize)
+
+    async def http_detokenize(self, request: Request) -> Response:
+        return await self._tokenization(request, self.frontend.detokenize)
+
+    async def _tokenization(self, request: Request, call) -> Response:
+        try:
+            return JSONResponse((await call(await self._body(request))).model_dump(mode="json"))
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            return ClientError(400, message, param=param).response()
+        except ClientError as exc:
+            return exc.response()
+
+    @staticmethod
+    async def _body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ClientError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ClientError(400, "the request body must be a JSON object")
+        return body
+
     async def http_chat(self, request: Request) -> Response:
-        return await self._http(request, ChatCompletionRequest, self._chat_turn, chat_response, chat_chunks)
+        return await self._http(request, ChatCompletionRequest)
 
     async def http_completions(self, request: Request) -> Response:
-        return await self._http(
-            request, CompletionRequest, self._completion_turn, completion_response, completion_chunks
-        )
+        return await self._http(request, CompletionRequest)
 
-    async def _http(self, request: Request, model_cls, make_turn, respond, chunks) -> Response:
+    async def _http(self, request: Request, request_cls: type[OpenAIRequest]) -> Response:
+        headers: dict[str, str] = {}
         try:
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ClientError(400, "the request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise ClientError(400, "the request body must be a JSON object")
-            try:
-                req = model_cls.model_validate(body)
+                req = request_cls.model_validate(await self._body(request))
             except ValidationError as exc:
                 message, param = validation_message(exc)
                 raise ClientError(400, message, param=param) from None
-            turn = make_turn(req, tenant_of(request), request.headers.get("x-session-id"),
-                             request.headers.get("x-kvrelay-policy"))
-            stream = self._run(turn)
-            first = await anext(stream)  # planning and prefill errors surface here, before any byte is sent
-        except ValidationError as exc:  # a value the turn's sampling refuses (e.g. top_k=-5)
+            turns = await self._turns(req, self._tenant(request), request.headers.get("x-session-id"),
+                                      request.headers.get("x-kvrelay-policy"))
+            if req.stream:
+                stream = self._stream(req, turns)
+                first = await anext(stream)  # planning and prefill errors surface here, before any byte is sent
+                headers["x-kvrelay-plan"] = json.dumps(first[1].public(), separators=(",", ":"))
+            else:
+                body, outcome = await self._respond(req, turns)
+                headers["x-kvrelay-plan"] = json.dumps(outcome.public(), separators=(",", ":"))
+        except ValidationError as exc:  # a value vLLM's sampling parameters refuse
             message, param = validation_message(exc)
             self.metrics.errors.labels(kind="client").inc()
             return ClientError(400, message, param=param).response()
@@ -179,30 +250,107 @@ class Ingress:
             self.metrics.errors.labels(kind="client").inc()
             return exc.response()
         except Exception:  # ours, not the client's: logged here, never shown (it names actors and processes)
-            logger.exception("request failed before its first token")
+            logger.exception("request failed before its response began")
             self.metrics.errors.labels(kind="server").inc()
-            return openai_error(500, SERVER_FAILED, type_="server_error")
-        outcome = first[1]
-        headers = {"x-kvrelay-plan": json.dumps(outcome.public(), separators=(",", ":"))}
+            return openai_error(500, SERVER_FAILED)
         if not req.stream:
-            deltas = [first[0]] + [d async for d, _ in stream]
-            return JSONResponse(respond(self.model, turn, deltas, outcome).model_dump(), headers=headers)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
-            self._sse(chunks(self.model, turn, prepend(first, stream), include_usage)),
-            media_type="text/event-stream",
-            headers=headers,
-        )
+            return JSONResponse(with_kvrelay(body, outcome), headers=headers)
+        return StreamingResponse(self._sse(prepend(first, stream)), media_type="text/event-stream", headers=headers)
 
-    async def _sse(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async def _sse(self, chunks: AsyncIterator[tuple[dict[str, Any], TurnOutcome]]) -> AsyncIterator[str]:
         try:
-            async for chunk in chunks:
+            async for chunk, _ in chunks:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
         except Exception:  # the status line is sent already; report in-band like OpenAI does, without internals
             logger.exception("stream failed")
             self.metrics.errors.labels(kind="server").inc()
             yield f"data: {json.dumps({'error': {'message': SERVER_FAILED, 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------------------ OpenAI requests as turns
+
+    async def _turns(
+        self, req: OpenAIRequest, tenant: str, session_id: str | None, policy: str | None
+    ) -> list[tuple[RenderedRequest, Turn]]:
+        """Render the request with vLLM's front end and make each prompt a turn (a completion may batch several)."""
+        if req.n != 1:
+            raise ClientError(400, f"n={req.n}: kvrelay serves one choice per request; send n=1", param="n")
+        if req.kv_transfer_params is not None:
+            raise ClientError(400, "kv_transfer_params cannot be set by clients: kvrelay plans KV reuse itself and "
+                              "never lets a request name KV blocks", param="kv_transfer_params")
+        if req.prompt_logprobs is not None and self.fast_prefill:
+            raise ClientError(400, "prompt_logprobs cannot be served by this deployment: it runs KV-sharing fast "
+                              "prefill, whose shared layers skip prompt positions; drop prompt_logprobs",
+                              param="prompt_logprobs")
+        if isinstance(req, ChatCompletionRequest):
+            rendered = [await self.frontend.render_chat(req)]
+        else:
+            rendered = await self.frontend.render_completion(req)
+        if req.cache_salt:  # the client's own isolation within its tenant
+            tenant = hashed(f"{tenant}/{req.cache_salt}")
+        return [(r, self._turn(r, tenant, session_id, policy)) for r in rendered]
+
+    def _turn(self, rendered: RenderedRequest, tenant: str, session_id: str | None, policy: str | None) -> Turn:
+        room = self.max_model_len - len(rendered.token_ids)
+        asked = rendered.sampling_params.max_tokens or 1
+        if room < 1 or asked > room:
+            raise ClientError(
+                400,
+                f"this model's context is {self.max_model_len} tokens, but the prompt has {len(rendered.token_ids)} "
+                f"tokens and max_tokens asks for {asked} more; shorten the prompt or lower max_tokens",
+                param="max_tokens" if room >= 1 else "messages", code="context_length_exceeded",
+            )
+        return Turn(request_id=rendered.request_id, token_ids=list(rendered.token_ids),
+                    params=rendered.sampling_params, tenant=tenant, session_id=session_id,
+                    policy=self._policy(policy))
+
+    async def _respond(
+        self, req: OpenAIRequest, turns: list[tuple[RenderedRequest, Turn]]
+    ) -> tuple[BaseModel, TurnOutcome]:
+        """The whole (non-streaming) response, and the first turn's outcome."""
+        results = await asyncio.gather(*(self._collect(turn) for _, turn in turns))
+        outcome = results[0][1]
+        if isinstance(req, ChatCompletionRequest):
+            body = await self.frontend.chat_response(req, turns[0][0], results[0][0])
+        else:
+            body = await self.frontend.completion_response(req, [r for r, _ in turns], [d for d, _ in results])
+        return body, outcome
+
+    async def _stream(
+        self, req: OpenAIRequest, turns: list[tuple[RenderedRequest, Turn]]
+    ) -> AsyncIterator[tuple[dict[str, Any], TurnOutcome]]:
+        """The stream's chunk dicts; the chunk that finishes a turn, and the usage chunk, carry its `kvrelay`."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if isinstance(req, ChatCompletionRequest):
+            (rendered, turn), = turns
+            outcome: list[TurnOutcome] = []
+            async for chunk in self.frontend.chat_chunks(req, rendered, self._deltas(turn, outcome), include_usage):
+                body = chunk.model_dump(mode="json")
+                if chunk.usage is not None or any(c.finish_reason for c in chunk.choices):
+                    body["kvrelay"] = outcome[0].public()
+                yield body, outcome[0]
+            return
+        lasts: list[GenerateDelta] = []
+        for index, (rendered, turn) in enumerate(turns):  # batched prompts stream one after another
+            outcome = []
+            async for chunk, delta in self.frontend.completion_chunks(req, rendered, index,
+                                                                      self._deltas(turn, outcome)):
+                body = chunk.model_dump(mode="json")
+                if delta.finished:
+                    body["kvrelay"] = outcome[0].public()
+                    lasts.append(delta)
+                yield body, outcome[0]
+        if include_usage:
+            usage = self.frontend.completion_usage(lasts)
+            yield {"id": turns[0][0].request_id, "object": "text_completion", "created": now(), "model": self.model,
+                   "choices": [], "usage": usage.model_dump(mode="json")}, outcome[0]
+
+    async def _deltas(self, turn: Turn, outcome: list[TurnOutcome]) -> AsyncIterator[GenerateDelta]:
+        """The turn's deltas; its outcome lands in `outcome` with the first one."""
+        async for delta, turn_outcome in self._run(turn):
+            if not outcome:
+                outcome.append(turn_outcome)
+            yield delta
 
     # ------------------------------------------------------------------------------ Python handle API
 
@@ -213,15 +361,9 @@ class Ingress:
         session_id: str | None = None,
         policy: str | None = None,
     ):
-        """`handle.chat.remote(req)` -> ChatCompletionResponse; with `handle.options(stream=True)` and
-        `req.stream=True`, an async stream of chunk dicts (the same objects the SSE stream carries)."""
-        req = ChatCompletionRequest.model_validate(request)
-        turn = self._chat_turn(req, tenant, session_id, policy)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return chat_chunks(self.model, turn, self._run(turn), include_usage)
-        deltas, outcome = await self._collect(turn)
-        return chat_response(self.model, turn, deltas, outcome)
+        """`handle.chat.remote(req)` -> a response dict (vLLM's ChatCompletionResponse plus `kvrelay`); with
+        `handle.options(stream=True)` and `stream: true`, an async stream of chunk dicts (what SSE carries)."""
+        return await self._handle_call(ChatCompletionRequest, request, tenant, session_id, policy)
 
     async def completions(
         self,
@@ -230,14 +372,17 @@ class Ingress:
         session_id: str | None = None,
         policy: str | None = None,
     ):
-        """`handle.completions.remote(req)` -> CompletionResponse (streams like `chat`)."""
-        req = CompletionRequest.model_validate(request)
-        turn = self._completion_turn(req, tenant, session_id, policy)
+        """`handle.completions.remote(req)` -> a CompletionResponse dict plus `kvrelay` (streams like `chat`)."""
+        return await self._handle_call(CompletionRequest, request, tenant, session_id, policy)
+
+    async def _handle_call(self, request_cls, request, tenant: str, session_id: str | None, policy: str | None):
+        req = request if isinstance(request, request_cls) else request_cls.model_validate(request)
+        turns = await self._turns(req, tenant, session_id, policy)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return completion_chunks(self.model, turn, self._run(turn), include_usage)
-        deltas, outcome = await self._collect(turn)
-        return completion_response(self.model, turn, deltas, outcome)
+            return (chunk async for chunk, _ in self._stream(req, turns))
+        body, outcome = await self._respond(req, turns)
+        body.kvrelay = KVRelayInfo(**outcome.public())
+        return body
 
     async def turn(
         self,
@@ -252,7 +397,7 @@ class Ingress:
         `force` = (mode, replica_id) runs that option instead of the planner's choice (a forced
         "recompute" skips the prefix cache), so every option can be measured on the same turn.
         """
-        turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling), tenant,
+        turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling).to_params(), tenant,
                     policy=self._policy(policy))
         forced = (Mode(force[0]), force[1]) if force else None
         started = time.monotonic()
@@ -262,7 +407,8 @@ class Ingress:
             token_ids=[t for d in deltas for t in d.token_ids],
             text="".join(d.text for d in deltas),
             finish_reason=last.finish_reason,
-            usage=usage(last),
+            usage=TurnUsage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                            cached_tokens=last.num_cached_tokens),
             kvrelay=KVRelayInfo(**outcome.public()),
             ttft_ms=outcome.ttft_ms,
             latency_ms=(time.monotonic() - started) * 1e3,
@@ -270,7 +416,7 @@ class Ingress:
 
     async def plan(self, token_ids: list[int], replicas: list[str] | None = None, tenant: str = "") -> dict[str, Any]:
         """What the planner would do for this turn now (nothing runs); `replicas` limits the targets."""
-        turn = Turn(new_id("plan"), list(token_ids), Sampling(), tenant)
+        turn = Turn(new_id("plan"), list(token_ids), Sampling().to_params(), tenant)
         plan = self.runner.plan(turn, targets=replicas)
         return {"mode": plan.mode.value, "replica": plan.replica_id, "holder": plan.holder,
                 "reused_tokens": plan.reused_tokens, "estimates_ms": plan.estimates_ms, "reason": plan.reason}
@@ -299,11 +445,6 @@ class Ingress:
 
     # ------------------------------------------------------------------------------ turns
 
-    def _check_model(self, requested: str) -> None:
-        if requested != self.model:
-            raise ClientError(404, f"model {requested!r} is not served here; this deployment serves {self.model!r}",
-                              param="model", code="model_not_found")
-
     def _policy(self, requested: str | None) -> Policy:
         """The deployment's policy, or the one a request names (`x-kvrelay-policy`, for side-by-side benchmarks)."""
         if requested is None:
@@ -313,57 +454,6 @@ class Ingress:
         except ValueError:
             raise ClientError(400, f"unknown placement policy {requested!r}; known: {[p.value for p in Policy]}",
                               param="x-kvrelay-policy") from None
-
-    def _turn(self, req, token_ids: list[int], tenant: str, session_id: str | None, policy: str | None) -> Turn:
-        if req.prompt_logprobs is not None and self.fast_prefill:
-            raise ClientError(400, "prompt_logprobs cannot be served by this deployment: it runs KV-sharing fast "
-                              "prefill, whose shared layers skip prompt positions; drop prompt_logprobs",
-                              param="prompt_logprobs")
-        room = self.max_model_len - len(token_ids)
-        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
-            asked = req.max_tokens or 1
-            raise ClientError(
-                400,
-                f"this model's context is {self.max_model_len} tokens, but the prompt has {len(token_ids)} tokens "
-                f"and max_tokens asks for {asked} more; shorten the prompt or lower max_tokens",
-                param="messages" if hasattr(req, "messages") else "prompt",
-                code="context_length_exceeded",
-            )
-        return Turn(
-            request_id=new_id("turn"),
-            token_ids=token_ids,
-            sampling=req.to_sampling(min(DEFAULT_MAX_TOKENS, room)),
-            tenant=tenant,
-            session_id=session_id,
-            policy=self._policy(policy),
-        )
-
-    def _chat_turn(
-        self, req: ChatCompletionRequest, tenant: str, session_id: str | None, policy: str | None = None
-    ) -> Turn:
-        self._check_model(req.model)
-        try:
-            messages = [m.as_template_input() for m in req.messages]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-        except ValueError as exc:
-            raise ClientError(400, str(exc), param="messages") from None
-        except Exception as exc:  # the template rejected this conversation (roles out of order, ...)
-            raise ClientError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-        return self._turn(req, list(ids), tenant, session_id, policy)
-
-    def _completion_turn(
-        self, req: CompletionRequest, tenant: str, session_id: str | None, policy: str | None = None
-    ) -> Turn:
-        self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            ids = self.tokenizer(req.prompt)["input_ids"]
-        else:
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in req.prompt):
-                raise ClientError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
-            ids = req.prompt
-        return self._turn(req, list(ids), tenant, session_id, policy)
 
     async def _run(
         self, turn: Turn, force: tuple[Mode, str] | None = None
@@ -385,3 +475,12 @@ class Ingress:
     ) -> tuple[list[GenerateDelta], TurnOutcome]:
         items = [item async for item in self._run(turn, force)]
         return [delta for delta, _ in items], items[-1][1]
+
+
+def _kvrelay_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvrelay")
+    except PackageNotFoundError:
+        return "unknown"

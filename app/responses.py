@@ -1,25 +1,15 @@
-"""OpenAI-shaped bodies built from a turn's deltas: complete responses, stream chunks, usage, and client errors."""
+"""What the ingress answers besides vLLM's own OpenAI bodies: client errors in OpenAI's shape, the `kvrelay` plan
+object every response carries, and the token-level `TurnResult`."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
-
-from actors.replica_api import GenerateDelta
-from app.openai_protocol import (
-    ChatChoice,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionResponse,
-    KVRelayInfo,
-    PromptTokensDetails,
-    Usage,
-    now,
-)
-from app.turns import Turn, TurnOutcome
 
 
 class ClientError(Exception):
@@ -34,9 +24,11 @@ class ClientError(Exception):
 
 
 def openai_error(
-    status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    """An error body in the shape OpenAI's API and clients use."""
+    """An error body in the shape OpenAI's API and clients use: the SDKs pick the exception by status, the type
+    says whose fault it is, `code` names the case (e.g. "invalid_api_key")."""
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
 
 
@@ -45,92 +37,47 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or None
     msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = f"unknown field {where!r}"
-    elif err["type"] == "missing":
+    if err["type"] == "missing":
         msg = f"missing required field {where!r}"
-    return (f"{where}: {msg}" if where and err["type"] not in ("extra_forbidden", "missing") else msg), where
+    return (f"{where}: {msg}" if where and err["type"] != "missing" else msg), where
 
 
-def usage(last: GenerateDelta) -> Usage:
-    """Token counts of a finished turn; cached tokens are the prompt tokens not computed (reused or pulled)."""
-    return Usage(
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-        total_tokens=last.prompt_tokens + last.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens),
-    )
+class KVRelayInfo(BaseModel):
+    """How kvrelay served the turn (also in the `x-kvrelay-plan` header)."""
+
+    mode: Literal["local", "pull", "recompute"]
+    replica: str
+    holder: str | None
+    reused_tokens: int
+    estimates_ms: dict[str, float]
+    reason: str
 
 
-def chat_response(model: str, turn: Turn, deltas: list[GenerateDelta], outcome: TurnOutcome) -> ChatCompletionResponse:
-    last = deltas[-1]
-    return ChatCompletionResponse(
-        id=turn.request_id.replace("turn", "chatcmpl", 1),
-        created=now(),
-        model=model,
-        choices=[ChatChoice(message={"role": "assistant", "content": "".join(d.text for d in deltas)},
-                            finish_reason=last.finish_reason)],
-        usage=usage(last),
-        kvrelay=KVRelayInfo(**outcome.public()),
-    )
+class TurnUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    # Prompt tokens whose KV was not computed: a local prefix hit or pulled over NIXL.
+    cached_tokens: int
 
 
-def completion_response(
-    model: str, turn: Turn, deltas: list[GenerateDelta], outcome: TurnOutcome
-) -> CompletionResponse:
-    last = deltas[-1]
-    return CompletionResponse(
-        id=turn.request_id.replace("turn", "cmpl", 1),
-        created=now(),
-        model=model,
-        choices=[CompletionChoice(text="".join(d.text for d in deltas), finish_reason=last.finish_reason)],
-        usage=usage(last),
-        kvrelay=KVRelayInfo(**outcome.public()),
-    )
+class TurnResult(BaseModel):
+    """The result of `Ingress.turn` (token-level turns for tests, benchmarks and Python clients)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: TurnUsage
+    kvrelay: KVRelayInfo
+    ttft_ms: float | None
+    latency_ms: float
 
 
-async def chat_chunks(
-    model: str, turn: Turn, stream: AsyncIterator[tuple[GenerateDelta, TurnOutcome]], include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
-    """The chat stream's chunk dicts (the objects the SSE stream carries): role, text deltas, finish, usage."""
-    base = {"id": turn.request_id.replace("turn", "chatcmpl", 1), "object": "chat.completion.chunk",
-            "created": now(), "model": model}
-
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        c = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
-        if include_usage:
-            c["usage"] = None
-        return c
-
-    yield chunk({"role": "assistant", "content": ""})
-    async for delta, outcome in stream:
-        if delta.text:
-            yield chunk({"content": delta.text})
-        if delta.finished:
-            final = chunk({}, delta.finish_reason)
-            final["kvrelay"] = outcome.public()
-            yield final
-            if include_usage:
-                yield dict(base, choices=[], usage=usage(delta).model_dump(), kvrelay=outcome.public())
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def completion_chunks(
-    model: str, turn: Turn, stream: AsyncIterator[tuple[GenerateDelta, TurnOutcome]], include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
-    """The completion stream's chunk dicts: text deltas, finish, usage."""
-    base = {"id": turn.request_id.replace("turn", "cmpl", 1), "object": "text_completion", "created": now(),
-            "model": model}
-    async for delta, outcome in stream:
-        if delta.text or delta.finished:
-            c = dict(base, choices=[{"index": 0, "text": delta.text, "logprobs": None,
-                                     "finish_reason": delta.finish_reason if delta.finished else None}])
-            if include_usage:
-                c["usage"] = None
-            if delta.finished:
-                c["kvrelay"] = outcome.public()
-            yield c
-        if delta.finished and include_usage:
-            yield dict(base, choices=[], usage=usage(delta).model_dump(), kvrelay=outcome.public())
+def now() -> int:
+    return int(time.time())
 
 
 async def prepend(first: Any, rest: AsyncIterator) -> AsyncIterator:

@@ -21,9 +21,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.sampling_params import SamplingParams
+
 from actors.directory_mirror import DirectoryMirror
 from actors.prefix_hash import PrefixKey, Scope
-from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats, Sampling
+from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats
 from configs.app import Policy
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
@@ -41,7 +43,7 @@ class Turn:
 
     request_id: str
     token_ids: list[int]
-    sampling: Sampling
+    params: SamplingParams
     # Whose KV this is (an API key or cache salt); turns of different tenants never share KV.
     tenant: str = ""
     # A placement hint only (X-Session-Id): equal options go to this session's usual replica.
@@ -233,7 +235,7 @@ class TurnRunner:
 
     def _output_tokens(self, turn: Turn) -> int:
         """How many tokens the turn will decode on the replica it starts on (how long it keeps that engine busy)."""
-        return self.cost.expected_output_tokens(turn.sampling.max_tokens)
+        return self.cost.expected_output_tokens(turn.params.max_tokens or 1)
 
     def _leaves_holds(self, turn: Turn) -> bool:
         """Whether the turn's requests export a hold: only policies that pull need them."""
@@ -274,7 +276,7 @@ class TurnRunner:
         return GenerateRequest(
             request_id=f"{turn.request_id}-{stage}-{'kv' if pull or prefilled else 'run'}",
             prompt_token_ids=turn.token_ids,
-            sampling=turn.sampling,
+            params=turn.params,
             pull=pull,
             prefilled=prefilled,
             target_replica=plan.replica_id or None,

@@ -40,7 +40,7 @@ async def run_once(replica: EngineReplica, prompt_ids: list[int], max_tokens: in
     request = GenerateRequest(
         request_id=uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,
-        sampling=Sampling(max_tokens=max_tokens, ignore_eos=True),
+        params=Sampling(max_tokens=max_tokens, ignore_eos=True).to_params(),
     )
     start = time.perf_counter()
     first = None

@@ -38,7 +38,7 @@ def pct(values: list[float], q: float) -> float:
 async def direct(engines, prompt: list[int], max_tokens: int, target: str, holds: bool) -> tuple[float, list[float]]:
     """(latency ms, arrival times of each delta) calling the replica through its Serve handle."""
     request = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, target_replica=target,
-                              sampling=Sampling(max_tokens=max_tokens, ignore_eos=True), export_hold=holds)
+                              params=Sampling(max_tokens=max_tokens, ignore_eos=True).to_params(), export_hold=holds)
     start = time.perf_counter()
     arrivals = [time.perf_counter() async for _ in engines.options(stream=True).generate.remote(request)]
     return (time.perf_counter() - start) * 1e3, arrivals

@@ -71,7 +71,7 @@ async def _generate(engines: Any, replica_id: str, prompt: list[int], max_tokens
 
     request = GenerateRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=prompt, target_replica=replica_id, export_hold=export_hold,
-        sampling=Sampling(max_tokens=max_tokens, ignore_eos=True),
+        params=Sampling(max_tokens=max_tokens, ignore_eos=True).to_params(),
     )
     tokens = 0
     async for delta in engines.options(stream=True).generate.remote(request):

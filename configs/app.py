@@ -53,6 +53,35 @@ class AutoscalingSettings(BaseModel):
         return self
 
 
+class OpenAISettings(BaseModel):
+    """How the OpenAI endpoints read requests and answer, with vLLM's own front end (app/frontend.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The name clients put in `model` (and `/v1/models` lists); None: the engine's `model`.
+    served_model_name: str | None = None
+    # A Jinja chat template (a file path or the template itself); None: the model's own.
+    chat_template: str | None = None
+    # vLLM's tool-call parser (e.g. "hermes", "llama3_json"); needed for `tools` with `tool_choice: auto`.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    # vLLM's reasoning parser (e.g. "deepseek_r1"): moves the model's reasoning into `reasoning_content`.
+    reasoning_parser: str | None = None
+    # "auto": sampling defaults from the model's generation_config.json, as vLLM's server; "vllm": vLLM's own.
+    generation_config: Literal["auto", "vllm"] = "auto"
+    # Bearer keys a request must carry. Empty: the endpoint is open (said at start-up). Keys may also come
+    # from a file, one per line, named by the environment variable KVRELAY_API_KEYS_FILE.
+    api_keys: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> OpenAISettings:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes')")
+        if any(not key.strip() or any(c.isspace() for c in key) for key in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings without whitespace")
+        return self
+
+
 class PoolConfig(BaseModel):
     """One Serve deployment of identical engine replicas."""
 
@@ -94,6 +123,7 @@ class AppConfig(BaseModel):
     # are the routers users would otherwise run, kept for side-by-side benchmarks (a request may also name one in
     # the `x-kvrelay-policy` header).
     policy: Policy = Policy.KVRELAY
+    openai: OpenAISettings = Field(default_factory=OpenAISettings)
 
     @model_validator(mode="after")
     def _check_topology(self) -> AppConfig:

@@ -131,11 +131,13 @@ def free_port() -> int:
 class ServedApp:
     """A kvrelay app running in the session's Serve instance."""
 
-    def __init__(self, name: str, base_url: str) -> None:
+    def __init__(self, name: str, base_url: str, api_key: str | None = None) -> None:
         from ray import serve
 
         self.name = name
         self.base_url = base_url
+        # What HTTP calls must send (the app's first API key), empty when it has none.
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.ingress = serve.get_app_handle(name)
         self.engines = serve.get_deployment_handle("engines", app_name=name)
 
@@ -167,7 +169,8 @@ def run_app(name: str, route_prefix: str, port: int, **config: Any) -> ServedApp
     from app.builder import build_app
 
     serve.run(build_app(dict(config, name=name)), name=name, route_prefix=route_prefix)
-    return ServedApp(name, f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}")
+    keys = config.get("openai", {}).get("api_keys") or [None]
+    return ServedApp(name, f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", keys[0])
 
 
 TINY_ENGINE = {
@@ -180,12 +183,16 @@ TINY_ENGINE = {
 }
 
 
+API_KEYS = ("test-key", "other-tenant-key")
+
+
 @pytest.fixture(scope="session")
 def tiny_app(serve_port) -> Iterator[ServedApp]:
-    """tiny-llama on two replicas: the app most tests talk to."""
+    """tiny-llama on two replicas, behind two API keys (tenants): the app most tests talk to."""
     from ray import serve
 
-    app = run_app("tiny", "/", serve_port, pool={"num_replicas": 2, "engine": dict(TINY_ENGINE, model="tiny-llama")})
+    app = run_app("tiny", "/", serve_port, pool={"num_replicas": 2, "engine": dict(TINY_ENGINE, model="tiny-llama")},
+                  openai={"api_keys": list(API_KEYS)})
     app.replica_ids(2)
     # Tests that check placement start once the start-up calibration's own turns are done.
     app.ingress.calibrated.remote().result()

@@ -33,7 +33,7 @@ def test_default_model_knows_the_capital_of_france(loop_thread, default_replica)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = loop_thread.run(default_replica.apply_chat_template(messages))
     request = GenerateRequest(
-        request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=Sampling(max_tokens=24, temperature=0.0)
+        request_id=uuid.uuid4().hex, prompt_token_ids=ids, params=Sampling(max_tokens=24, temperature=0.0).to_params()
     )
     deltas = loop_thread.run(collect(default_replica.generate(request)))
     answer = "".join(d.text for d in deltas)

@@ -46,7 +46,7 @@ def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disag
         if turn > 0:
             plan = result.kvrelay
             assert (plan.mode, plan.holder) == ("pull", next(iter(decoders))), plan
-            assert plan.reused_tokens == result.usage.prompt_tokens_details.cached_tokens == held, plan
+            assert plan.reused_tokens == result.usage.cached_tokens == held, plan
         # The decoder's hold covers this turn's prompt and output but the last sampled token (no KV yet).
         held = len(history) + len(result.token_ids) - 1
         history = history + result.token_ids + user_tokens(rng, 20)

@@ -53,7 +53,7 @@ def greedy(loop_thread, replica: EngineReplica, prompt_ids: list[int], n: int = 
     request = GenerateRequest(
         request_id=uuid.uuid4().hex,
         prompt_token_ids=prompt_ids,
-        sampling=Sampling(max_tokens=n, temperature=0.0, ignore_eos=True),
+        params=Sampling(max_tokens=n, temperature=0.0, ignore_eos=True).to_params(),
     )
     deltas = loop_thread.run(collect(replica.generate(request)))
     assert deltas[-1].finished and deltas[-1].completion_tokens == n
@@ -106,7 +106,7 @@ def test_fast_prefill_groups_hold_exactly_the_kv_sharing_layers(loop_thread, gem
 def test_prompt_logprobs_on_fast_prefill_is_a_clear_error_and_replica_keeps_serving(loop_thread, gemma_fast):
     ids = loop_thread.run(gemma_fast.tokenize(PROMPTS[0]))
     bad = GenerateRequest(
-        request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=Sampling(max_tokens=4, prompt_logprobs=1)
+        request_id=uuid.uuid4().hex, prompt_token_ids=ids, params=Sampling(max_tokens=4, prompt_logprobs=1).to_params()
     )
     with pytest.raises(InvalidRequestError, match="prompt_logprobs.*fast prefill"):
         loop_thread.run(collect(gemma_fast.generate(bad)))
@@ -116,7 +116,7 @@ def test_prompt_logprobs_on_fast_prefill_is_a_clear_error_and_replica_keeps_serv
 def test_prompt_logprobs_work_without_fast_prefill(loop_thread, gemma_plain):
     ids = loop_thread.run(gemma_plain.tokenize(PROMPTS[1]))
     ok = GenerateRequest(
-        request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=Sampling(max_tokens=2, prompt_logprobs=1)
+        request_id=uuid.uuid4().hex, prompt_token_ids=ids, params=Sampling(max_tokens=2, prompt_logprobs=1).to_params()
     )
     deltas = loop_thread.run(collect(gemma_plain.generate(ok)))
     assert deltas[-1].finished
@@ -124,7 +124,7 @@ def test_prompt_logprobs_work_without_fast_prefill(loop_thread, gemma_plain):
 
 def test_prompt_longer_than_context_is_a_clear_error(loop_thread, gemma_plain):
     too_long = GenerateRequest(
-        request_id=uuid.uuid4().hex, prompt_token_ids=[5] * 1020, sampling=Sampling(max_tokens=16)
+        request_id=uuid.uuid4().hex, prompt_token_ids=[5] * 1020, params=Sampling(max_tokens=16).to_params()
     )
     with pytest.raises(InvalidRequestError, match="exceeds this model's context of 1024"):
         loop_thread.run(collect(gemma_plain.generate(too_long)))

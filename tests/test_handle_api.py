@@ -1,4 +1,4 @@
-"""The Python handle API: typed requests and responses, streaming, and a second Ray driver."""
+"""The Python handle API: vLLM's request and response models, streaming, and a second Ray driver."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from app.openai_protocol import ChatCompletionRequest, ChatCompletionResponse
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+
 from tests.conftest import REPO_ROOT
 
 

@@ -54,7 +54,7 @@ def cores_used(procs: list[psutil.Process], seconds: float) -> float:
 def run(loop_thread, replica: EngineReplica, prompt: list[int], max_tokens: int, export_hold: bool):
     request = GenerateRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=prompt, export_hold=export_hold,
-        sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        params=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True).to_params(),
     )
     return loop_thread.run(collect(replica.generate(request)))
 

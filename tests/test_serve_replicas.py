@@ -39,7 +39,7 @@ def test_both_replicas_stream_when_targeted(tiny_app):
         request = GenerateRequest(
             request_id=uuid.uuid4().hex,
             prompt="one two three four five",
-            sampling=Sampling(max_tokens=8, ignore_eos=True),
+            params=Sampling(max_tokens=8, ignore_eos=True).to_params(),
             target_replica=target,
         )
         return [d async for d in engines.options(stream=True).generate.remote(request)]
@@ -56,6 +56,6 @@ def test_both_replicas_stream_when_targeted(tiny_app):
 
 def test_minimal_http_ingress_lists_the_model(tiny_app):
     base = tiny_app.base_url
-    models = httpx.get(f"{base}/v1/models", timeout=30).json()
+    models = httpx.get(f"{base}/v1/models", headers=tiny_app.headers, timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200

@@ -39,7 +39,7 @@ def converse(app: ServedApp, mode: str, seed: int) -> list[list[int]]:
         if force[0] == "pull":
             assert result.kvrelay.holder == replicas[(turn - 1) % 2]
             # The engine reports the pulled tokens as cached: all but the last token of the prior turn.
-            assert result.usage.prompt_tokens_details.cached_tokens >= len(history) - 40
+            assert result.usage.cached_tokens >= len(history) - 40
         replies.append(result.token_ids)
         history = history + result.token_ids + user_tokens(rng, 20)
     return replies
@@ -56,7 +56,7 @@ def test_planner_reuses_the_history_on_its_own(tiny_app):
     history = history + first.token_ids + user_tokens(rng, 10)
     second = tiny_app.ingress.turn.remote(history, GREEDY).result(timeout_s=120)
     assert second.kvrelay.mode in ("local", "pull")
-    assert second.usage.prompt_tokens_details.cached_tokens >= 288
+    assert second.usage.cached_tokens >= 288
     assert set(second.kvrelay.estimates_ms) >= {"recompute", second.kvrelay.mode}
 
 
@@ -87,8 +87,8 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
         prompt = user_tokens(rng, 200)
 
         def generate(r: EngineReplica, ids: list[int], pull=None, own_kv_only=False):
-            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=Sampling(**GREEDY),
-                                  pull=pull, export_hold=not own_kv_only,
+            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
+                                  params=Sampling(**GREEDY).to_params(), pull=pull, export_hold=not own_kv_only,
                                   skip_prefix_cache=own_kv_only)
             return loop_thread.run(collect(r.generate(req)))
 
@@ -152,4 +152,4 @@ def test_the_directory_follows_each_replicas_prefix_cache_through_kv_events(tiny
     # 200 prompt + 12 generated tokens: the 6 full blocks of 32 the engine cached.
     assert plan["reused_tokens"] == 192
     answer = tiny_app.ingress.turn.remote(follow_up, GREEDY).result(timeout_s=120)
-    assert answer.usage.prompt_tokens_details.cached_tokens == 192  # the engine agrees
+    assert answer.usage.cached_tokens == 192  # the engine agrees

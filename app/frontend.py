@@ -1,0 +1,271 @@
+"""vLLM's own OpenAI front end, without an engine: requests render to token ids and sampling parameters, and a
+turn's token deltas derender into OpenAI responses.
+
+These are the pieces vLLM's GPU-less render server and its scale-out endpoints are built from (`OnlineRenderer`,
+`OnlineDerenderer`, `ServingRender`, `ServingTokenization`), so what a vLLM server accepts on chat and completions
+kvrelay accepts with the same meaning: the same code parses, renders, checks and answers it. kvrelay's ingress
+plans and routes in between; nothing here knows about replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
+from vllm.entrypoints.scale_out.render.serving import ServingRender
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+    DerenderStreamState,
+    GenerateLogProbs,
+    GenerateRequest,
+    GenerateTokensChoice,
+    GenerateTokensResponse,
+    GenerateTokensStreamChoice,
+    GenerateTokensStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, PromptTokenUsageInfo, UsageInfo
+from vllm.entrypoints.serve.tokenize.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.renderers import renderer_from_config
+from vllm.renderers.chat_utils import load_chat_template
+from vllm.renderers.online_derenderer import OnlineDerenderer
+from vllm.renderers.online_renderer import OnlineRenderer
+
+from actors.replica_api import GenerateDelta
+from app.responses import ClientError
+from configs.app import OpenAISettings
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass
+class TurnTokens:
+    """A finished (or streaming) turn's output as the derenderer reads it."""
+
+    token_ids: list[int]
+    logprobs: GenerateLogProbs | None
+    finish_reason: str | None
+
+
+def merged(deltas: list[GenerateDelta]) -> TurnTokens:
+    """All deltas of one turn as one output."""
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = GenerateLogProbs(content=[c for d in deltas if d.logprobs for c in d.logprobs.content or []])
+    return TurnTokens([t for d in deltas for t in d.token_ids], logprobs, deltas[-1].finish_reason)
+
+
+def turn_usage(last: GenerateDelta) -> UsageInfo:
+    """Token counts of a finished turn; cached tokens are the prompt tokens not computed (reused or pulled)."""
+    return UsageInfo(
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        total_tokens=last.prompt_tokens + last.completion_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=last.num_cached_tokens),
+    )
+
+
+def raise_error(result: ErrorResponse) -> None:
+    """vLLM's refusal as the client's error (its status, message and parameter)."""
+    raise ClientError(result.error.code, result.error.message, param=result.error.param)
+
+
+class Frontend:
+    """Render, derender and tokenize for one served model, exactly as vLLM's server does."""
+
+    def __init__(self, model_dir: Path, served_name: str, max_model_len: int, settings: OpenAISettings) -> None:
+        self.served_name = served_name
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            served_model_name=[served_name],
+            max_model_len=max_model_len,
+            generation_config=settings.generation_config,
+            reasoning_parser=settings.reasoning_parser or "",
+        )
+        environ = dict(os.environ)
+        try:
+            model_config = args.create_model_config()
+            model_config.quantization = None  # nothing runs the weights here
+            vllm_config = VllmConfig(
+                model_config=model_config, structured_outputs_config=args.create_structured_outputs_config()
+            )
+        finally:
+            # vLLM's platform hook rewrites this process's environment for engine processes (LD_PRELOAD, thread
+            # counts); the ingress starts none, and its own children must not inherit them.
+            os.environ.clear()
+            os.environ.update(environ)
+        self.model_config = model_config
+        renderer = renderer_from_config(vllm_config)
+        chat_template = load_chat_template(settings.chat_template)
+        common: dict[str, Any] = dict(
+            model_config=model_config,
+            renderer=renderer,
+            request_logger=None,
+            chat_template=chat_template,
+            chat_template_content_format="auto",
+            enable_auto_tools=settings.enable_auto_tool_choice,
+            tool_parser=settings.tool_call_parser,
+            reasoning_parser=vllm_config.structured_outputs_config.reasoning_parser or None,
+        )
+        self.renderer = OnlineRenderer(**common)
+        self.renderer.warmup()
+        self.derenderer = OnlineDerenderer(**common)
+        registry = OpenAIModelRegistry(
+            model_config=model_config, base_model_paths=[BaseModelPath(name=served_name, model_path=str(model_dir))]
+        )
+        self.render = ServingRender(registry, self.renderer)
+        self.tokenization = ServingTokenization(
+            registry, self.renderer, chat_template=chat_template, chat_template_content_format="auto"
+        )
+
+    # ------------------------------------------------------------------------------ requests
+
+    async def render_chat(self, request: ChatCompletionRequest) -> GenerateRequest:
+        return await self._call(self.render.render_chat_request(request))
+
+    async def render_completion(self, request: CompletionRequest) -> list[GenerateRequest]:
+        return await self._call(self.render.render_completion_request(request))
+
+    async def tokenize(self, body: dict[str, Any]) -> TokenizeResponse:
+        request = (TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest).model_validate(body)
+        return await self._call(self.tokenization.create_tokenize(request, None))
+
+    async def detokenize(self, body: dict[str, Any]) -> DetokenizeResponse:
+        return await self._call(self.tokenization.create_detokenize(DetokenizeRequest.model_validate(body), None))
+
+    @staticmethod
+    async def _call(pending: Any) -> Any:
+        """Await one of vLLM's serving calls; its refusals (returned or raised) become the client's 4xx."""
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            result = await pending
+        except (VLLMClientError, ValueError, TypeError, OverflowError, NotImplementedError) as exc:
+            result = create_error_response(exc)
+        if isinstance(result, ErrorResponse):
+            raise_error(result)
+        return result
+
+    # ------------------------------------------------------------------------------ responses
+
+    async def chat_response(
+        self, request: ChatCompletionRequest, rendered: GenerateRequest, deltas: list[GenerateDelta]
+    ) -> ChatCompletionResponse:
+        output = merged(deltas)
+        generated = GenerateTokensResponse(
+            request_id=rendered.request_id,
+            choices=[GenerateTokensChoice(index=0, token_ids=output.token_ids, logprobs=output.logprobs,
+                                          finish_reason=output.finish_reason)],
+            prompt_token_ids=rendered.token_ids,
+        )
+        choices = await self.derenderer.derender_chat(generated, request, rendered.token_ids)
+        return ChatCompletionResponse(id=rendered.request_id, model=self.served_name, created=int(time.time()),
+                                      choices=choices, usage=turn_usage(deltas[-1]))
+
+    async def completion_response(
+        self, request: CompletionRequest, rendered: list[GenerateRequest], turns: list[list[GenerateDelta]]
+    ) -> CompletionResponse:
+        generated = []
+        for r, deltas in zip(rendered, turns, strict=True):
+            output = merged(deltas)
+            generated.append(GenerateTokensResponse(
+                request_id=r.request_id,
+                choices=[GenerateTokensChoice(index=0, token_ids=output.token_ids, logprobs=output.logprobs,
+                                              finish_reason=output.finish_reason)],
+                prompt_token_ids=r.token_ids,
+            ))
+        choices, _, _ = await self.derenderer.derender_completion(
+            generated, [len(r.token_ids) for r in rendered], completion_request=request,
+            prompt_token_ids=[r.token_ids for r in rendered],
+        )
+        if request.echo:
+            for choice, prompt in zip(choices, self._prompt_texts(request, rendered), strict=True):
+                choice.text = prompt + choice.text
+        return CompletionResponse(id=rendered[0].request_id, model=self.served_name, created=int(time.time()),
+                                  choices=choices, usage=self.completion_usage([deltas[-1] for deltas in turns]))
+
+    @staticmethod
+    def completion_usage(lasts: list[GenerateDelta]) -> UsageInfo:
+        """Usage of a completion over all its prompts (the last delta of each)."""
+        prompt, completion = sum(d.prompt_tokens for d in lasts), sum(d.completion_tokens for d in lasts)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sum(d.num_cached_tokens
+                                                                                      for d in lasts)))
+
+    async def chat_chunks(
+        self, request: ChatCompletionRequest, rendered: GenerateRequest, deltas: AsyncIterator[GenerateDelta],
+        include_usage: bool,
+    ) -> AsyncIterator[ChatCompletionStreamResponse]:
+        """The chat stream's chunks: vLLM's derendered deltas, then a usage chunk when asked for."""
+        state: DerenderStreamState | None = None
+        last = None
+        async for delta in deltas:
+            last = delta
+            chunk, state = await self.derenderer.derender_chat_stream(
+                self.served_name, self._stream_chunk(rendered, delta, 0), state, request,
+                prompt_tokens=len(rendered.token_ids), prompt_token_ids=rendered.token_ids,
+            )
+            if chunk.choices:
+                yield chunk
+        if include_usage and last is not None:
+            yield ChatCompletionStreamResponse(id=rendered.request_id, model=self.served_name, choices=[],
+                                               usage=turn_usage(last))
+
+    async def completion_chunks(
+        self, request: CompletionRequest, rendered: GenerateRequest, index: int,
+        deltas: AsyncIterator[GenerateDelta],
+    ) -> AsyncIterator[tuple[CompletionStreamResponse, GenerateDelta]]:
+        """One prompt's completion stream chunks (choice `index`), each with the delta it came from."""
+        state: DerenderStreamState | None = None
+        echo = self._prompt_texts(request, [rendered])[0] if request.echo else ""
+        async for delta in deltas:
+            chunk, state = await self.derenderer.derender_completion_stream(
+                self.served_name, self._stream_chunk(rendered, delta, index), state,
+                prompt_tokens=len(rendered.token_ids), completion_request=request,
+                prompt_token_ids=rendered.token_ids,
+            )
+            if echo and chunk.choices:  # the prompt leads the first chunk, as vLLM's server sends it
+                chunk.choices[0].text, echo = echo + chunk.choices[0].text, ""
+            yield chunk, delta
+
+    def _prompt_texts(self, request: CompletionRequest, rendered: list[GenerateRequest]) -> list[str]:
+        """What `echo` repeats: the prompts as sent when they are text, else their tokens decoded."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        tokenizer = self.renderer.renderer.get_tokenizer()
+        return [tokenizer.decode(r.token_ids) for r in rendered]
+
+    @staticmethod
+    def _stream_chunk(rendered: GenerateRequest, delta: GenerateDelta, index: int) -> GenerateTokensStreamResponse:
+        return GenerateTokensStreamResponse(
+            request_id=rendered.request_id,
+            choices=[GenerateTokensStreamChoice(index=index, token_ids=delta.token_ids, logprobs=delta.logprobs,
+                                                finish_reason=delta.finish_reason if delta.finished else None)],
+        )
