@@ -39,7 +39,7 @@ from actors.vllm_engine import HoldStepper, check_platform_limits, engine_proces
 from configs.engine import EngineConfig
 from kvtransfer.connector import export_params
 from kvtransfer.types import Hold
-from model_prep.store import ensure_model
+from model_prep.store import model_path
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class EngineReplica:
         self.site = choose_site(
             self.config, self.engine_id, local_rank, node_ip, current_platform.is_cpu(), directory is not None
         )
-        self.model_path = ensure_model(self.config.model)
+        self.model_path = model_path(self.config.model)
         check_platform_limits(self.config, self.model_path, device_type)
         self.load = EngineStats()
         self.engine = start_engine(self.config, self.model_path, self.site, device_type, self.load.stat_logger)
@@ -304,6 +304,15 @@ class EngineReplica:
         """Attention groups of the live worker (rank 0), read through vLLM's collective RPC."""
         per_worker = await self.engine.collective_rpc("kvrelay_attention_groups")
         return [AttentionGroupInfo(**group) for group in per_worker[0]]
+
+    async def metrics(self, probe: dict[str, Any]) -> str:
+        """The process's Prometheus metrics in text format, vLLM's `vllm:*` among them (AsyncLLM records them here).
+
+        `probe` only carries `target_replica`, so the replica router sends the call to this replica.
+        """
+        from prometheus_client import REGISTRY, generate_latest
+
+        return generate_latest(REGISTRY).decode()
 
     async def check_health(self) -> None:
         """Serve calls this periodically; a dead engine makes the replica restart."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from configs.engine import EngineConfig
 
@@ -90,7 +92,32 @@ def choose_site(
     )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+# Where side-channel ports are drawn from: above Ray's worker ports (10002-19999 by default), below the kernel's
+# ephemeral range. A port the kernel hands out (bind to 0) is free now, but the engine binds it only after its
+# start-up (seconds), and meanwhile any outgoing connection may take it: vLLM's handshake listener then fails to
+# bind and the engine waits for it forever (seen once in the test suite).
+SIDE_CHANNEL_PORTS = (20000, 32767)
+
+
+def _free_port(host: str, ports: tuple[int, int] = SIDE_CHANNEL_PORTS, tries: int = 200) -> int:
+    low, high = ports
+    ephemeral = _ephemeral_ports()
+    if ephemeral is not None:
+        high = min(high, ephemeral[0] - 1)
+    for port in random.sample(range(low, high + 1), min(tries, high - low + 1)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port for the NIXL side channel on {host} in {low}-{high}")
+
+
+def _ephemeral_ports() -> tuple[int, int] | None:
+    """The kernel's range for outgoing connections' local ports (Linux), else None."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except OSError:
+        return None
+    return int(low), int(high)

@@ -31,7 +31,10 @@ def check_platform_limits(config: EngineConfig, model_path: Path, device_type: s
     hf = getattr(hf, "text_config", hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if head_dim not in CPU_ATTENTION_HEAD_SIZES:
-        raise ValueError(f"head size {head_dim} of {config.model!r} is not supported by CPU attention")
+        raise ValueError(
+            f"head size {head_dim} of {config.model!r} is not supported by vLLM's CPU attention (it has kernels for "
+            f"{', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); serve this model on a GPU, or pick another model"
+        )
 
 
 def quiet_holds(config: EngineConfig, device_type: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -10,11 +11,15 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from actors.engine_replica import EngineReplica
 from actors.kv_directory.actor import KVDirectoryActor
+from actors.vllm_engine import check_platform_limits
 from app.ingress import Ingress
 from configs.app import AppConfig, PoolConfig
 
 ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
 POLICY_CLASS = "app.autoscaling:EngineAutoscalingPolicy"
+# Deployments only kvrelay itself calls (heartbeats, the directory's feed, each turn's generate): no access log
+# line per call, which drowned `serve run`'s console; the ingress still logs every client request.
+INTERNAL_LOGGING = {"enable_access_log": False}
 
 
 def autoscaling_config(pool: PoolConfig) -> AutoscalingConfig | None:
@@ -56,6 +61,7 @@ def engine_deployment(name: str, pool: PoolConfig, directory: Application) -> Ap
         health_check_timeout_s=60,
         # An engine needs tens of seconds to start on CPU; Serve must not give up on it.
         graceful_shutdown_timeout_s=30,
+        logging_config=INTERNAL_LOGGING,
     )
     return deployment.bind(pool.engine.model_dump(), directory)
 
@@ -69,6 +75,7 @@ def directory_deployment(config: AppConfig) -> Application:
         # Every call is a few microseconds of dict work; never make a turn queue behind another.
         max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0.05},
+        logging_config=INTERNAL_LOGGING,
     )
     ttl = config.pool.engine.nixl.hold_ttl_s
     # Stop offering a hold while there is still time to read it: a read after the holder's lease returns
@@ -76,9 +83,22 @@ def directory_deployment(config: AppConfig) -> Application:
     return deployment.bind(block_size=config.pool.engine.block_size, expiry_margin_s=min(10.0, 0.3 * ttl))
 
 
+def check_user_model(pool: PoolConfig) -> None:
+    """Refuse a user's own model this platform's attention cannot run, before any actor starts (presets are
+    checked when they are defined)."""
+    from vllm.platforms import current_platform
+
+    facts = pool.engine.facts
+    if facts.path is not None:
+        check_platform_limits(pool.engine, Path(facts.path), current_platform.device_type)
+
+
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Serve application builder: `import_path: app.builder:build_app` with `args:` an AppConfig."""
     config = AppConfig.model_validate(args or {})
+    for pool in (config.pool, config.decode_pool):
+        if pool is not None:
+            check_user_model(pool)
     directory = directory_deployment(config)
     pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool, directory)}
     if config.decode_pool is not None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -52,7 +53,7 @@ from kvtransfer.calibration import calibrate
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.planner import Mode
-from model_prep.store import ensure_model
+from model_prep.store import model_path
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class Ingress:
         self.model = self.config.openai.served_model_name or engine.model
         self.max_model_len = engine.max_model_len
         self.fast_prefill = engine.fast_prefill
-        model_dir = ensure_model(engine.model)
+        model_dir = model_path(engine.model)
         self.frontend = Frontend(model_dir, self.model, engine.max_model_len, self.config.openai)
         self.api_keys = load_api_keys(self.config.openai.api_keys)
         if not self.api_keys:
@@ -125,6 +126,7 @@ class Ingress:
                 engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s
             )
         self.metrics = IngressMetrics()
+        self.pools = {PREFILL_POOL: engines, **pools}
         self.created = now()
         vocab = len(self.frontend.renderer.renderer.get_tokenizer())
         self._calibration = asyncio.get_running_loop().create_task(calibrate(
@@ -143,7 +145,19 @@ class Ingress:
             Route("/metrics", self.http_metrics, methods=["GET"]),
             Route("/kvrelay/stats", self.http_stats, methods=["GET"]),
         ]
-        return Starlette(routes=[Route(r.path, self._guarded(r.endpoint), methods=r.methods) for r in routes])
+        return Starlette(
+            routes=[Route(r.path, self._guarded(r.endpoint), methods=r.methods) for r in routes],
+            exception_handlers={HTTPException: self._http_exception, Exception: self._unhandled},
+        )
+
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own refusals (no such route, wrong method) in OpenAI's shape, never plain text."""
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return openai_error(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+
+    async def _unhandled(self, request: Request, exc: Exception) -> Response:
+        logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return openai_error(500, SERVER_FAILED)
 
     def _guarded(self, endpoint):
         """The route behind the API-key check (open routes and a keyless deployment pass through)."""
@@ -188,8 +202,15 @@ class Ingress:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def http_metrics(self, request: Request) -> Response:
-        body, content_type = self.metrics.render()
+        body, content_type = self.metrics.render(await self._engine_metrics())
         return Response(body, media_type=content_type)
+
+    async def _engine_metrics(self, timeout_s: float = 5.0) -> dict[str, str]:
+        """Each live replica's metrics text (replicas that do not answer in time are left out)."""
+        replicas = self.runner.replicas()
+        calls = [self.pools[r.pool].metrics.remote({"target_replica": r.replica_id}) for r in replicas]
+        done = await asyncio.gather(*(asyncio.wait_for(c, timeout_s) for c in calls), return_exceptions=True)
+        return {r.replica_id: text for r, text in zip(replicas, done, strict=True) if isinstance(text, str)}
 
     async def http_stats(self, request: Request) -> JSONResponse:
         return JSONResponse(await self.stats())

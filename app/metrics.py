@@ -1,11 +1,19 @@
-"""Prometheus metrics of the ingress: plans by mode, reused tokens, time to first token, errors."""
+"""Prometheus metrics of the ingress (plans by mode, reused tokens, time to first token, errors), and the engines'
+own `vllm:*` metrics gathered from each replica and labelled with its id."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from actors.replica_api import GenerateDelta
+
+VLLM_PREFIX = "vllm:"
 
 
 class IngressMetrics:
@@ -37,5 +45,34 @@ class IngressMetrics:
         if outcome.ttft_ms is not None:
             self.ttft.labels(mode=mode).observe(outcome.ttft_ms / 1e3)
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, engine_metrics: dict[str, str] | None = None) -> tuple[bytes, str]:
+        """This ingress's metrics, then each replica's `vllm:*` families (`engine_metrics`: replica id -> text)."""
+        body = generate_latest(self.registry)
+        if engine_metrics:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_Families(by_replica(engine_metrics)))
+            body += generate_latest(registry)
+        return body, CONTENT_TYPE_LATEST
+
+
+def by_replica(engine_metrics: dict[str, str]) -> list[Metric]:
+    """vLLM's metric families of every replica merged, each sample labelled `replica`."""
+    families: dict[str, Metric] = {}
+    for replica, text in engine_metrics.items():
+        for family in text_string_to_metric_families(text):
+            if not family.name.startswith(VLLM_PREFIX):
+                continue
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            merged.samples += [Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+                               for s in family.samples]
+    return list(families.values())
+
+
+class _Families:
+    """A collector that yields already-built families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families

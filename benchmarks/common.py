@@ -95,7 +95,7 @@ def start_app(
 
     from app.builder import build_app
     from configs.models import DEFAULT_MODEL
-    from model_prep.store import ensure_model
+    from model_prep.store import model_path
 
     model = model or DEFAULT_MODEL
     temp_dir = tempfile.mkdtemp(prefix="kvb", dir="/tmp")
@@ -116,7 +116,7 @@ def start_app(
         engines=serve.get_deployment_handle("engines", app_name="bench"),
         base_url=f"http://127.0.0.1:{port}",
         model=model,
-        vocab_size=len(AutoTokenizer.from_pretrained(ensure_model(model))),
+        vocab_size=len(AutoTokenizer.from_pretrained(model_path(model))),
         temp_dir=temp_dir,
         direct_url=f"http://127.0.0.1:{direct_port}" if direct_port else None,
     )

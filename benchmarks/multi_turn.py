@@ -465,10 +465,10 @@ def main() -> None:
 
     from benchmarks.common import start_app, stop_app
     from configs.models import DEFAULT_MODEL
-    from model_prep.store import ensure_model
+    from model_prep.store import model_path
 
     model = config.model or DEFAULT_MODEL
-    tokenizer = AutoTokenizer.from_pretrained(ensure_model(model))
+    tokenizer = AutoTokenizer.from_pretrained(model_path(model))
     if args.sharegpt:  # the same conversations every round (each round runs under its own tenants)
         rounds = [sharegpt_conversations(args.sharegpt, config, tokenizer)] * config.rounds
     else:

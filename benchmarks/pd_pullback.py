@@ -40,10 +40,10 @@ def run_app_modes(prefill_cache: bool, config: BenchConfig, throughput_optimized
     from transformers import AutoTokenizer
 
     from configs.models import DEFAULT_MODEL
-    from model_prep.store import ensure_model
+    from model_prep.store import model_path
 
     model = config.model or DEFAULT_MODEL
-    conversations = synthetic_conversations(config, word_pool(AutoTokenizer.from_pretrained(ensure_model(model))))
+    conversations = synthetic_conversations(config, word_pool(AutoTokenizer.from_pretrained(model_path(model))))
     # The decode replica always caches prefixes (it holds the conversations); only the prefill side differs.
     app = start_app(model, 1, throughput_optimized=throughput_optimized, enable_prefix_caching=prefill_cache,
                     decode_pool={"num_replicas": 1, "engine": {"enable_prefix_caching": True}}, **ENGINE)

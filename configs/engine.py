@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from configs.models import DEFAULT_MODEL, MODEL_PRESETS
+from configs.models import DEFAULT_MODEL, ModelFacts, model_facts
 
 MiB = 1024**2
 
@@ -55,6 +55,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # A preset name (configs/models.py), a local HF model directory, or a HF repo id in the local HF cache.
     model: str = DEFAULT_MODEL
     # None: the preset's recommended dtype (fp32 for the random test models, bf16 for real ones).
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
@@ -81,17 +82,15 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
-        if self.model not in MODEL_PRESETS:
-            raise ValueError(f"unknown model preset {self.model!r}; known presets: {sorted(MODEL_PRESETS)}")
-        preset = MODEL_PRESETS[self.model]
+        facts = self.facts
         if self.dtype is None:
-            self.dtype = preset.dtype
-        if self.max_model_len > preset.max_model_len:
+            self.dtype = facts.dtype
+        if self.max_model_len > facts.max_model_len:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds what {self.model!r} supports "
-                f"({preset.max_model_len}); lower max_model_len"
+                f"({facts.max_model_len}); lower max_model_len"
             )
-        if self.kv_sharing_fast_prefill and not preset.kv_sharing:
+        if self.kv_sharing_fast_prefill and not facts.kv_sharing:
             raise ValueError(
                 f"kv_sharing_fast_prefill=True needs a model with KV-sharing layers; {self.model!r} has none"
             )
@@ -102,8 +101,12 @@ class EngineConfig(BaseModel):
         return self
 
     @property
+    def facts(self) -> ModelFacts:
+        return model_facts(self.model)
+
+    @property
     def fast_prefill(self) -> bool:
         """Whether this engine runs KV-sharing fast prefill (resolves the `None` default)."""
         if self.kv_sharing_fast_prefill is None:
-            return MODEL_PRESETS[self.model].kv_sharing
+            return self.facts.kv_sharing
         return self.kv_sharing_fast_prefill

@@ -5,8 +5,10 @@ Importing this module is cheap (pydantic only); building or converting weights l
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -253,3 +255,59 @@ def get_preset(name: str) -> ModelPreset:
     except KeyError:
         known = ", ".join(sorted(MODEL_PRESETS))
         raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
+
+
+class ModelFacts(BaseModel):
+    """What engine configuration checks need to know about a model, preset or not."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kv_sharing: bool
+    max_model_len: int
+    dtype: Literal["float32", "bfloat16", "float16"]
+    # Set for a user's own model (read from its config.json); presets are checked when they are defined.
+    head_dim: int | None = None
+    # The folder the weights are in, when it already exists (always, for a user's own model).
+    path: str | None = None
+
+
+def user_model_dir(model: str) -> Path:
+    """The folder of a model that is not a preset: a local HF model directory, or a HF repo id found in the
+    local HF cache (resolved offline: nothing is downloaded)."""
+    folder = Path(model).expanduser()
+    if (folder / "config.json").is_file():
+        return folder.resolve()
+    if model.count("/") == 1 and not model.startswith(("/", ".", "~")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(model, local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            pass
+    raise ValueError(
+        f"model {model!r} is not a preset ({', '.join(sorted(MODEL_PRESETS))}), not a directory holding a HF model "
+        "(config.json, weights, tokenizer), and not a repo id in the local HF cache (nothing is downloaded: put it "
+        "there with `huggingface-cli download` where the hub is reachable, or give its directory)"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def model_facts(model: str) -> ModelFacts:
+    """Facts of a preset (by name) or of a user's model (from its config.json)."""
+    if model in MODEL_PRESETS:
+        preset = MODEL_PRESETS[model]
+        return ModelFacts(kv_sharing=preset.kv_sharing, max_model_len=preset.max_model_len, dtype=preset.dtype)
+    folder = user_model_dir(model)
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config") or config
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+    heads = text.get("num_attention_heads")
+    head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads and "hidden_size" in text else None)
+    return ModelFacts(
+        kv_sharing=int(text.get("num_kv_shared_layers") or 0) > 0,
+        max_model_len=int(text.get("max_position_embeddings") or 2048),
+        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
+        head_dim=head_dim,
+        path=str(folder),
+    )

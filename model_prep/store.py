@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from configs.models import ModelPreset, get_preset
+from configs.models import MODEL_PRESETS, ModelPreset, get_preset, user_model_dir
 from model_prep.gguf import convert_gguf
 from model_prep.hf_folder import Progress
 from model_prep.random_weights import build_random
@@ -41,6 +41,14 @@ def model_dir(name: str, data_dir: Path | None = None) -> Path:
 def is_ready(name: str, data_dir: Path | None = None) -> bool:
     """True when the folder exists, is complete, and was built from the current preset definition."""
     return _read_marker(model_dir(name, data_dir)) == get_preset(name).fingerprint()
+
+
+def model_path(model: str) -> Path:
+    """The HF folder an engine loads for `model`: a preset's prepared folder (built first if needed), or the
+    user's own model directory (a local path, or a repo id found in the local HF cache)."""
+    if model in MODEL_PRESETS:
+        return ensure_model(model)
+    return user_model_dir(model)
 
 
 def ensure_model(name: str, data_dir: Path | None = None, progress: Progress = print) -> Path:

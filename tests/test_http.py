@@ -99,10 +99,16 @@ def test_session_header_is_a_placement_hint(client, tiny_app):
 
 
 def test_models_health_and_metrics(tiny_app, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{tiny_app.base_url}/health", timeout=30).json()["status"] == "ok"
     metrics = httpx.get(f"{tiny_app.base_url}/metrics", headers=tiny_app.headers, timeout=30).text
     assert "kvrelay_plans_total" in metrics and "kvrelay_ttft_seconds_bucket" in metrics
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}  # a well-formed exposition
+    # Each engine's own vLLM metrics, labelled by replica.
+    finished = families["vllm:request_success"].samples
+    assert {s.labels["replica"] for s in finished} == set(tiny_app.replica_ids(2))
 
 
 def post(tiny_app, path: str, **kwargs) -> httpx.Response:
@@ -140,6 +146,9 @@ def test_bad_requests_get_openai_style_4xx(tiny_app, body, status, needle):
 
 def test_malformed_json_and_non_object_bodies(tiny_app):
     assert post(tiny_app, CHAT, content=b"{not json").status_code == 400
+    for resp in (post(tiny_app, "/v1/embeddings", json={}), httpx.get(f"{tiny_app.base_url}{CHAT}", timeout=30,
+                                                                     headers=tiny_app.headers)):
+        assert resp.status_code in (404, 405) and resp.json()["error"]["message"], resp.text  # JSON, not text
     assert "JSON object" in post(tiny_app, CHAT, json=[1, 2]).json()["error"]["message"]
     bad_ids = post(tiny_app, "/v1/completions", json={"model": MODEL, "prompt": [10**9]})
     assert bad_ids.status_code == 400 and "vocabulary" in bad_ids.json()["error"]["message"]

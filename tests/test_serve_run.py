@@ -49,7 +49,7 @@ def served(tmp_path_factory):
             time.sleep(2)
         else:
             pytest.fail("serve run did not become healthy in 900 s:\n" + log.read_text()[-3000:])
-        yield proc
+        yield log
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -85,3 +85,13 @@ def listening_addresses(port: int) -> set[str]:
 def test_serve_run_listens_on_loopback_only(served):
     assert listening_addresses(8001) == {"127.0.0.1"}
     assert listening_addresses(8000) == {"127.0.0.1"}
+
+
+def test_the_console_stays_quiet_while_idle(served):
+    """Heartbeats and the directory's feed run all the time; they used to print ~2.4 access-log lines a second."""
+    httpx.get(f"{BASE}/health", timeout=30)
+    time.sleep(2)
+    before = served.read_bytes()
+    time.sleep(15)
+    printed = served.read_bytes()[len(before):].decode(errors="replace").splitlines()
+    assert len(printed) <= 2, printed

@@ -1,0 +1,82 @@
+"""Serving the user's own model: a local HF model directory or a repo id in the local HF cache, checked before
+anything starts, answering under the name the user gives it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import TINY_ENGINE, run_app
+
+
+def write_config(folder: Path, **overrides) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 1024, "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps({**config, **overrides}))
+    return folder
+
+
+def test_a_repo_id_resolves_offline_from_the_local_hf_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from configs.models import model_facts, user_model_dir
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--acme--tiny"
+    snapshot = write_config(repo / "snapshots" / commit, max_position_embeddings=777)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert user_model_dir("acme/tiny") == snapshot
+    facts = model_facts("acme/tiny")
+    assert facts.max_model_len == 777 and facts.head_dim == 64 and facts.dtype == "float32" and not facts.kv_sharing
+    with pytest.raises(ValueError, match="local HF cache"):
+        user_model_dir("acme/not-downloaded")
+
+
+def test_impossible_user_models_are_refused_before_anything_starts(tmp_path):
+    from app.builder import build_app
+
+    def app_with(model: Path, **engine):
+        return build_app({"pool": {"num_replicas": 1, "engine": {"model": str(model), **engine}}})
+
+    odd_heads = write_config(tmp_path / "odd", hidden_size=96)  # head size 48: no CPU attention kernel
+    with pytest.raises(ValueError, match="head size 48"):
+        app_with(odd_heads, max_model_len=512)
+    plain = write_config(tmp_path / "plain")
+    with pytest.raises(ValueError, match="exceeds what"):
+        app_with(plain, max_model_len=4096)
+    with pytest.raises(ValueError, match="KV-sharing layers"):
+        app_with(plain, max_model_len=512, kv_sharing_fast_prefill=True)
+    with pytest.raises(ValueError, match="not a preset"):
+        app_with(tmp_path / "nothing-here", max_model_len=512)
+
+
+def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path):
+    from ray import serve
+
+    from model_prep.store import ensure_model
+
+    mine = tmp_path / "my-model"
+    shutil.copytree(ensure_model("tiny-llama"), mine)  # any HF model folder; this one is small
+    engine = dict(TINY_ENGINE, model=str(mine), max_model_len=1024)
+    app = run_app("mine", "/mine", serve_port, pool={"num_replicas": 1, "engine": engine},
+                  openai={"served_model_name": "my-model"})
+    try:
+        models = httpx.get(f"{app.base_url}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["my-model"]
+        body = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        resp = httpx.post(f"{app.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["model"] == "my-model" and resp.json()["usage"]["completion_tokens"] == 3
+        wrong = httpx.post(f"{app.base_url}/v1/chat/completions", json={**body, "model": "tiny-llama"}, timeout=60)
+        assert wrong.status_code == 404
+    finally:
+        serve.delete("mine")
