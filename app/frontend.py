@@ -183,6 +183,9 @@ class Frontend:
             prompt_token_ids=rendered.token_ids,
         )
         choices = await self.derenderer.derender_chat(generated, request, rendered.token_ids)
+        for choice in choices:
+            if choice.message.tool_calls and request.tool_choice in (None, "auto") and choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"  # as vLLM's own server says when the model chose to call
         return ChatCompletionResponse(id=rendered.request_id, model=self.served_name, created=int(time.time()),
                                       choices=choices, usage=turn_usage(deltas[-1]))
 

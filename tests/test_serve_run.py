@@ -42,9 +42,10 @@ def served(tmp_path_factory):
         while time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]
             try:
-                if httpx.get(f"{BASE}/health", timeout=5).status_code == 200:
+                # Both replicas up: each engine reports once it has started, not necessarily together.
+                if httpx.get(f"{BASE}/health", timeout=5).json().get("replicas") == 2:
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(2)
         else:
@@ -89,9 +90,8 @@ def test_serve_run_listens_on_loopback_only(served):
 
 def test_the_console_stays_quiet_while_idle(served):
     """Heartbeats and the directory's feed run all the time; they used to print ~2.4 access-log lines a second."""
-    httpx.get(f"{BASE}/health", timeout=30)
-    time.sleep(2)
+    time.sleep(30)  # start-up's own lines (engines, the calibration's first pulls) reach the console late
     before = served.read_bytes()
     time.sleep(15)
     printed = served.read_bytes()[len(before):].decode(errors="replace").splitlines()
-    assert len(printed) <= 2, printed
+    assert len(printed) <= 2, "\n".join(printed)

@@ -68,7 +68,8 @@ def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path)
     shutil.copytree(ensure_model("tiny-llama"), mine)  # any HF model folder; this one is small
     engine = dict(TINY_ENGINE, model=str(mine), max_model_len=1024)
     app = run_app("mine", "/mine", serve_port, pool={"num_replicas": 1, "engine": engine},
-                  openai={"served_model_name": "my-model"})
+                  openai={"served_model_name": "my-model", "tool_call_parser": "hermes",
+                          "enable_auto_tool_choice": True})
     try:
         models = httpx.get(f"{app.base_url}/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["my-model"]
@@ -78,5 +79,15 @@ def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path)
         assert resp.json()["model"] == "my-model" and resp.json()["usage"]["completion_tokens"] == 3
         wrong = httpx.post(f"{app.base_url}/v1/chat/completions", json={**body, "model": "tiny-llama"}, timeout=60)
         assert wrong.status_code == 404
+        # A named tool choice with the configured parser: vLLM constrains the output to the tool's call and parses
+        # it back (random weights would never produce it on their own).
+        city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+        tools = [{"type": "function", "function": {"name": "weather", "parameters": city}}]
+        call = httpx.post(f"{app.base_url}/v1/chat/completions", timeout=120, json={
+            **body, "max_tokens": 200, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "weather"}}}).json()
+        tool_calls = call["choices"][0]["message"]["tool_calls"]
+        assert [t["function"]["name"] for t in tool_calls] == ["weather"], call
+        assert json.loads(tool_calls[0]["function"]["arguments"])["city"] in ("Paris", "Rome")
     finally:
         serve.delete("mine")
