@@ -98,9 +98,14 @@ class EngineReplica:
 
     HEARTBEAT_S = 0.5
 
-    def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None) -> None:
+    def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None, log_level: str | None = None
+                 ) -> None:
         """Start the engine. With `directory` (a handle to the KV directory deployment), report identity, load
-        and prefix-cache events to it (`actors/directory_reporter.py`)."""
+        and prefix-cache events to it (`actors/directory_reporter.py`). `log_level` sets vLLM's logging here and in
+        the engine processes this replica starts."""
+        if log_level is not None:
+            os.environ["VLLM_LOGGING_LEVEL"] = log_level  # read by vLLM in each engine process it spawns
+            logging.getLogger("vllm").setLevel(log_level)
         self.config = EngineConfig.model_validate(config)
         self.replica_id, local_rank, self.pool = _replica_context()
         self.node_id, node_ip = _node_identity()
@@ -143,7 +148,7 @@ class EngineReplica:
         from vllm.sampling_params import RequestOutputKind
 
         params = request.params.clone()
-        if params.n != 1:
+        if params.n != 1:  # the ingress makes each of a request's n choices a turn of its own
             raise InvalidRequestError(f"n={params.n}: a replica runs one sequence per request; send n=1")
         if params.prompt_logprobs is not None and self.config.fast_prefill:
             raise InvalidRequestError(
@@ -202,7 +207,7 @@ class EngineReplica:
         started = time.monotonic()
         first_token_at: float | None = None
         prompt_tokens = cached = completion = 0
-        stream = self.engine.generate(prompt, params, request.request_id)
+        stream = self.engine.generate(prompt, params, request.request_id, priority=request.priority)
         # Whether this request had the engine to itself until its first token: only then do its timings
         # measure the model and the link rather than whatever else was batched with it.
         alone, started_as = self.load.request_started()
@@ -219,7 +224,11 @@ class EngineReplica:
                 delta = GenerateDelta(
                     token_ids=list(completion_out.token_ids),
                     text=completion_out.text,
-                    logprobs=token_logprobs(completion_out.token_ids, completion_out.logprobs, params.logprobs),
+                    logprobs=token_logprobs(completion_out.token_ids, completion_out.logprobs, params.num_logprobs),
+                    prompt_logprobs=(
+                        [dict(p) if p is not None else None for p in out.prompt_logprobs]
+                        if out.prompt_logprobs is not None else None
+                    ),
                     replica_id=self.replica_id,
                 )
                 if out.finished:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
+from vllm.logprobs import Logprob
 from vllm.sampling_params import SamplingParams
 
 from kvtransfer.types import Hold
@@ -66,6 +67,7 @@ class GenerateRequest(BaseModel):
     prefilled: Hold | None = None
     # Isolates tenants inside the engine's own prefix cache (vLLM's cache_salt).
     cache_salt: str | None = None
+    priority: int = 0
     # Compute the whole prompt even if the prefix cache holds part of it (forced recompute, for
     # references and benchmarks). A pull request must not set it: it disables the pull.
     skip_prefix_cache: bool = False
@@ -103,6 +105,8 @@ class GenerateDelta(BaseModel):
     text: str
     # Per token of `token_ids`, when the request asked for logprobs (vLLM's token-in-token-out shape).
     logprobs: GenerateLogProbs | None = None
+    # On the first delta, when the request asked for prompt_logprobs: per prompt position (the first is None).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0

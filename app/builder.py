@@ -17,9 +17,13 @@ from configs.app import AppConfig, PoolConfig
 
 ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
 POLICY_CLASS = "app.autoscaling:EngineAutoscalingPolicy"
-# Deployments only kvrelay itself calls (heartbeats, the directory's feed, each turn's generate): no access log
-# line per call, which drowned `serve run`'s console; the ingress still logs every client request.
-INTERNAL_LOGGING = {"enable_access_log": False}
+
+
+def logging_config(config: AppConfig, internal: bool) -> dict[str, Any]:
+    """Serve's logging for a deployment. Deployments only kvrelay itself calls (heartbeats, the directory's feed,
+    each turn's generate) log no access line per call, which drowned `serve run`'s console (2.4 lines a second
+    idle); the ingress still logs every client request."""
+    return {"log_level": config.log_level, "enable_access_log": not internal}
 
 
 def autoscaling_config(pool: PoolConfig) -> AutoscalingConfig | None:
@@ -46,7 +50,7 @@ def autoscaling_config(pool: PoolConfig) -> AutoscalingConfig | None:
     )
 
 
-def engine_deployment(name: str, pool: PoolConfig, directory: Application) -> Application:
+def engine_deployment(name: str, pool: PoolConfig, directory: Application, config: AppConfig) -> Application:
     """A deployment of identical engine replicas, routed to the replica each plan names."""
     scaling = autoscaling_config(pool)
     size: dict[str, Any] = {"num_replicas": pool.num_replicas} if scaling is None else {"autoscaling_config": scaling}
@@ -61,9 +65,9 @@ def engine_deployment(name: str, pool: PoolConfig, directory: Application) -> Ap
         health_check_timeout_s=60,
         # An engine needs tens of seconds to start on CPU; Serve must not give up on it.
         graceful_shutdown_timeout_s=30,
-        logging_config=INTERNAL_LOGGING,
+        logging_config=logging_config(config, internal=True),
     )
-    return deployment.bind(pool.engine.model_dump(), directory)
+    return deployment.bind(pool.engine.model_dump(), directory, log_level=config.log_level)
 
 
 def directory_deployment(config: AppConfig) -> Application:
@@ -75,7 +79,7 @@ def directory_deployment(config: AppConfig) -> Application:
         # Every call is a few microseconds of dict work; never make a turn queue behind another.
         max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0.05},
-        logging_config=INTERNAL_LOGGING,
+        logging_config=logging_config(config, internal=True),
     )
     ttl = config.pool.engine.nixl.hold_ttl_s
     # Stop offering a hold while there is still time to read it: a read after the holder's lease returns
@@ -100,7 +104,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         if pool is not None:
             check_user_model(pool)
     directory = directory_deployment(config)
-    pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool, directory)}
+    pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool, directory, config)}
     if config.decode_pool is not None:
         decode = config.decode_pool
         if decode.engine.cpu_core_offset == config.pool.engine.cpu_core_offset:
@@ -109,6 +113,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             decode = decode.model_copy(
                 update={"engine": decode.engine.model_copy(update={"cpu_core_offset": shifted})}
             )
-        pools["decode_engines"] = engine_deployment("decode_engines", decode, directory)
-    ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": config.ingress_num_cpus})
+        pools["decode_engines"] = engine_deployment("decode_engines", decode, directory, config)
+    ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": config.ingress_num_cpus},
+                               logging_config=logging_config(config, internal=False))
     return ingress.bind(config.model_dump(), directory, **pools)

@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -78,14 +79,16 @@ def merged(deltas: list[GenerateDelta]) -> TurnTokens:
     return TurnTokens([t for d in deltas for t in d.token_ids], logprobs, deltas[-1].finish_reason)
 
 
-def turn_usage(last: GenerateDelta) -> UsageInfo:
-    """Token counts of a finished turn; cached tokens are the prompt tokens not computed (reused or pulled)."""
-    return UsageInfo(
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-        total_tokens=last.prompt_tokens + last.completion_tokens,
-        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=last.num_cached_tokens),
-    )
+def usage(outputs: list[list[list[GenerateDelta]]] | list[list[GenerateDelta]]) -> UsageInfo:
+    """Token counts of a response: per prompt its prompt once and every choice's completion; cached tokens are
+    the prompt tokens not computed (reused or pulled). `outputs`: per prompt, each choice's deltas."""
+    prompt = completion = cached = 0
+    for per_prompt in outputs:
+        first = per_prompt[0][-1]
+        prompt, cached = prompt + first.prompt_tokens, cached + first.num_cached_tokens
+        completion += sum(deltas[-1].completion_tokens for deltas in per_prompt)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))
 
 
 def raise_error(result: ErrorResponse) -> None:
@@ -173,76 +176,72 @@ class Frontend:
     # ------------------------------------------------------------------------------ responses
 
     async def chat_response(
-        self, request: ChatCompletionRequest, rendered: GenerateRequest, deltas: list[GenerateDelta]
+        self, request: ChatCompletionRequest, rendered: GenerateRequest, outputs: list[list[GenerateDelta]]
     ) -> ChatCompletionResponse:
-        output = merged(deltas)
-        generated = GenerateTokensResponse(
-            request_id=rendered.request_id,
-            choices=[GenerateTokensChoice(index=0, token_ids=output.token_ids, logprobs=output.logprobs,
-                                          finish_reason=output.finish_reason)],
-            prompt_token_ids=rendered.token_ids,
-        )
+        """The chat response; `outputs` holds each choice's deltas (n of them)."""
+        generated = GenerateTokensResponse(request_id=rendered.request_id, choices=self._choices(outputs),
+                                           prompt_token_ids=rendered.token_ids)
         choices = await self.derenderer.derender_chat(generated, request, rendered.token_ids)
+        echo = self._chat_echo(request)
         for choice in choices:
             if choice.message.tool_calls and request.tool_choice in (None, "auto") and choice.finish_reason == "stop":
                 choice.finish_reason = "tool_calls"  # as vLLM's own server says when the model chose to call
-        return ChatCompletionResponse(id=rendered.request_id, model=self.served_name, created=int(time.time()),
-                                      choices=choices, usage=turn_usage(deltas[-1]))
+            if echo:
+                choice.message.content = echo + (choice.message.content or "")
+        return ChatCompletionResponse(
+            id=rendered.request_id, model=self.served_name, created=int(time.time()), choices=choices,
+            usage=usage([outputs]), prompt_logprobs=clamp_prompt_logprobs(outputs[0][0].prompt_logprobs),
+            prompt_token_ids=rendered.token_ids if request.return_token_ids else None,
+            prompt_text=self._decode(rendered.token_ids) if request.return_prompt_text else None,
+        )
 
     async def completion_response(
-        self, request: CompletionRequest, rendered: list[GenerateRequest], turns: list[list[GenerateDelta]]
+        self, request: CompletionRequest, rendered: list[GenerateRequest], outputs: list[list[list[GenerateDelta]]]
     ) -> CompletionResponse:
-        generated = []
-        for r, deltas in zip(rendered, turns, strict=True):
-            output = merged(deltas)
-            generated.append(GenerateTokensResponse(
-                request_id=r.request_id,
-                choices=[GenerateTokensChoice(index=0, token_ids=output.token_ids, logprobs=output.logprobs,
-                                              finish_reason=output.finish_reason)],
-                prompt_token_ids=r.token_ids,
-            ))
+        """The completion response; `outputs` holds, per prompt, each choice's deltas (choices numbered across
+        prompts, as vLLM does)."""
+        generated = [GenerateTokensResponse(request_id=r.request_id, choices=self._choices(per_prompt),
+                                            prompt_token_ids=r.token_ids)
+                     for r, per_prompt in zip(rendered, outputs, strict=True)]
         choices, _, _ = await self.derenderer.derender_completion(
             generated, [len(r.token_ids) for r in rendered], completion_request=request,
             prompt_token_ids=[r.token_ids for r in rendered],
         )
-        if request.echo:
-            for choice, prompt in zip(choices, self._prompt_texts(request, rendered), strict=True):
+        prompts = self._prompt_texts(request, rendered)
+        per_choice = [(r, prompt, deltas) for r, prompt, per_prompt in zip(rendered, prompts, outputs, strict=True)
+                      for deltas in per_prompt]
+        for choice, (r, prompt, deltas) in zip(choices, per_choice, strict=True):
+            if request.echo:
                 choice.text = prompt + choice.text
+            choice.prompt_logprobs = clamp_prompt_logprobs(deltas[0].prompt_logprobs)
+            if request.return_token_ids:
+                choice.prompt_token_ids = list(r.token_ids)
         return CompletionResponse(id=rendered[0].request_id, model=self.served_name, created=int(time.time()),
-                                  choices=choices, usage=self.completion_usage([deltas[-1] for deltas in turns]))
-
-    @staticmethod
-    def completion_usage(lasts: list[GenerateDelta]) -> UsageInfo:
-        """Usage of a completion over all its prompts (the last delta of each)."""
-        prompt, completion = sum(d.prompt_tokens for d in lasts), sum(d.completion_tokens for d in lasts)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sum(d.num_cached_tokens
-                                                                                      for d in lasts)))
+                                  choices=choices, usage=usage(outputs))
 
     async def chat_chunks(
-        self, request: ChatCompletionRequest, rendered: GenerateRequest, deltas: AsyncIterator[GenerateDelta],
-        include_usage: bool,
-    ) -> AsyncIterator[ChatCompletionStreamResponse]:
-        """The chat stream's chunks: vLLM's derendered deltas, then a usage chunk when asked for."""
+        self, request: ChatCompletionRequest, rendered: GenerateRequest, index: int,
+        deltas: AsyncIterator[GenerateDelta],
+    ) -> AsyncIterator[tuple[ChatCompletionStreamResponse, GenerateDelta]]:
+        """One choice's chat stream chunks (vLLM's derendered deltas), each with the delta it came from."""
         state: DerenderStreamState | None = None
-        last = None
+        echo = self._chat_echo(request)
         async for delta in deltas:
-            last = delta
             chunk, state = await self.derenderer.derender_chat_stream(
-                self.served_name, self._stream_chunk(rendered, delta, 0), state, request,
+                self.served_name, self._stream_chunk(rendered, delta, index), state, request,
                 prompt_tokens=len(rendered.token_ids), prompt_token_ids=rendered.token_ids,
             )
-            if chunk.choices:
-                yield chunk
-        if include_usage and last is not None:
-            yield ChatCompletionStreamResponse(id=rendered.request_id, model=self.served_name, choices=[],
-                                               usage=turn_usage(last))
+            if not chunk.choices:
+                continue
+            if echo:  # the echoed message leads the first chunk, as vLLM's server sends it
+                chunk.choices[0].delta.content, echo = echo + (chunk.choices[0].delta.content or ""), ""
+            yield chunk, delta
 
     async def completion_chunks(
         self, request: CompletionRequest, rendered: GenerateRequest, index: int,
         deltas: AsyncIterator[GenerateDelta],
     ) -> AsyncIterator[tuple[CompletionStreamResponse, GenerateDelta]]:
-        """One prompt's completion stream chunks (choice `index`), each with the delta it came from."""
+        """One choice's completion stream chunks, each with the delta it came from."""
         state: DerenderStreamState | None = None
         echo = self._prompt_texts(request, [rendered])[0] if request.echo else ""
         async for delta in deltas:
@@ -255,6 +254,30 @@ class Frontend:
                 chunk.choices[0].text, echo = echo + chunk.choices[0].text, ""
             yield chunk, delta
 
+    @staticmethod
+    def _choices(outputs: list[list[GenerateDelta]]) -> list[GenerateTokensChoice]:
+        choices = []
+        for index, deltas in enumerate(outputs):
+            output = merged(deltas)
+            choices.append(GenerateTokensChoice(index=index, token_ids=output.token_ids, logprobs=output.logprobs,
+                                                finish_reason=output.finish_reason))
+        return choices
+
+    @staticmethod
+    def _chat_echo(request: ChatCompletionRequest) -> str:
+        """What a chat `echo` repeats, as vLLM does: the last message, when it has the role being answered."""
+        if not request.echo or not request.messages:
+            return ""
+        last = request.messages[-1]
+        role = "assistant" if request.add_generation_prompt else last.get("role")
+        content = last.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return content if last.get("role") == role and isinstance(content, str) else ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.renderer.renderer.get_tokenizer().decode(token_ids)
+
     def _prompt_texts(self, request: CompletionRequest, rendered: list[GenerateRequest]) -> list[str]:
         """What `echo` repeats: the prompts as sent when they are text, else their tokens decoded."""
         prompt = request.prompt
@@ -262,8 +285,7 @@ class Frontend:
             return [prompt]
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        tokenizer = self.renderer.renderer.get_tokenizer()
-        return [tokenizer.decode(r.token_ids) for r in rendered]
+            return [self._decode(r.token_ids) for r in rendered]
 
     @staticmethod
     def _stream_chunk(rendered: GenerateRequest, delta: GenerateDelta, index: int) -> GenerateTokensStreamResponse:

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateReque
 from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.disaggregated import DisaggregatedTurnRunner
-from app.frontend import Frontend, OpenAIRequest
+from app.frontend import Frontend, OpenAIRequest, usage
 from app.metrics import IngressMetrics
 from app.responses import (
     ClientError,
@@ -86,6 +87,15 @@ def load_api_keys(configured: list[str]) -> list[str]:
     if path:
         keys += [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
     return keys
+
+
+@dataclass
+class Choice:
+    """One choice of an OpenAI response: a turn on one rendered prompt, numbered as the response numbers it."""
+
+    rendered: RenderedRequest
+    turn: Turn
+    index: int
 
 
 def with_kvrelay(body: BaseModel, outcome: TurnOutcome) -> dict[str, Any]:
@@ -292,10 +302,9 @@ class Ingress:
 
     async def _turns(
         self, req: OpenAIRequest, tenant: str, session_id: str | None, policy: str | None
-    ) -> list[tuple[RenderedRequest, Turn]]:
-        """Render the request with vLLM's front end and make each prompt a turn (a completion may batch several)."""
-        if req.n != 1:
-            raise ClientError(400, f"n={req.n}: kvrelay serves one choice per request; send n=1", param="n")
+    ) -> list[list[Choice]]:
+        """Render the request with vLLM's front end; per prompt (a completion may batch several), its `n` choices,
+        each a turn of its own."""
         if req.kv_transfer_params is not None:
             raise ClientError(400, "kv_transfer_params cannot be set by clients: kvrelay plans KV reuse itself and "
                               "never lets a request name KV blocks", param="kv_transfer_params")
@@ -309,9 +318,24 @@ class Ingress:
             rendered = await self.frontend.render_completion(req)
         if req.cache_salt:  # the client's own isolation within its tenant
             tenant = hashed(f"{tenant}/{req.cache_salt}")
-        return [(r, self._turn(r, tenant, session_id, policy)) for r in rendered]
+        session_id = session_id or req.session_id
+        prompts = []
+        for r in rendered:
+            self._check_room(r)
+            choices = []
+            for index in range(req.n):
+                params = r.sampling_params.clone()
+                params.n = 1
+                if params.seed is not None and index:  # n samples, as different as vLLM's n from one seed
+                    params.seed = (params.seed + index) % 2**63
+                turn = Turn(request_id=f"{r.request_id}-{index}" if req.n > 1 else r.request_id,
+                            token_ids=list(r.token_ids), params=params, tenant=tenant, session_id=session_id,
+                            policy=self._policy(policy), priority=r.priority)
+                choices.append(Choice(r, turn, len(prompts) * req.n + index))
+            prompts.append(choices)
+        return prompts
 
-    def _turn(self, rendered: RenderedRequest, tenant: str, session_id: str | None, policy: str | None) -> Turn:
+    def _check_room(self, rendered: RenderedRequest) -> None:
         room = self.max_model_len - len(rendered.token_ids)
         asked = rendered.sampling_params.max_tokens or 1
         if room < 1 or asked > room:
@@ -321,50 +345,44 @@ class Ingress:
                 f"tokens and max_tokens asks for {asked} more; shorten the prompt or lower max_tokens",
                 param="max_tokens" if room >= 1 else "messages", code="context_length_exceeded",
             )
-        return Turn(request_id=rendered.request_id, token_ids=list(rendered.token_ids),
-                    params=rendered.sampling_params, tenant=tenant, session_id=session_id,
-                    policy=self._policy(policy))
 
-    async def _respond(
-        self, req: OpenAIRequest, turns: list[tuple[RenderedRequest, Turn]]
-    ) -> tuple[BaseModel, TurnOutcome]:
+    async def _respond(self, req: OpenAIRequest, prompts: list[list[Choice]]) -> tuple[BaseModel, TurnOutcome]:
         """The whole (non-streaming) response, and the first turn's outcome."""
-        results = await asyncio.gather(*(self._collect(turn) for _, turn in turns))
+        results = await asyncio.gather(*(self._collect(c.turn) for choices in prompts for c in choices))
         outcome = results[0][1]
+        outputs, at = [], 0
+        for choices in prompts:
+            outputs.append([deltas for deltas, _ in results[at:at + len(choices)]])
+            at += len(choices)
         if isinstance(req, ChatCompletionRequest):
-            body = await self.frontend.chat_response(req, turns[0][0], results[0][0])
+            body = await self.frontend.chat_response(req, prompts[0][0].rendered, outputs[0])
         else:
-            body = await self.frontend.completion_response(req, [r for r, _ in turns], [d for d, _ in results])
+            body = await self.frontend.completion_response(req, [choices[0].rendered for choices in prompts], outputs)
         return body, outcome
 
     async def _stream(
-        self, req: OpenAIRequest, turns: list[tuple[RenderedRequest, Turn]]
+        self, req: OpenAIRequest, prompts: list[list[Choice]]
     ) -> AsyncIterator[tuple[dict[str, Any], TurnOutcome]]:
-        """The stream's chunk dicts; the chunk that finishes a turn, and the usage chunk, carry its `kvrelay`."""
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        if isinstance(req, ChatCompletionRequest):
-            (rendered, turn), = turns
-            outcome: list[TurnOutcome] = []
-            async for chunk in self.frontend.chat_chunks(req, rendered, self._deltas(turn, outcome), include_usage):
-                body = chunk.model_dump(mode="json")
-                if chunk.usage is not None or any(c.finish_reason for c in chunk.choices):
-                    body["kvrelay"] = outcome[0].public()
-                yield body, outcome[0]
-            return
-        lasts: list[GenerateDelta] = []
-        for index, (rendered, turn) in enumerate(turns):  # batched prompts stream one after another
-            outcome = []
-            async for chunk, delta in self.frontend.completion_chunks(req, rendered, index,
-                                                                      self._deltas(turn, outcome)):
-                body = chunk.model_dump(mode="json")
-                if delta.finished:
-                    body["kvrelay"] = outcome[0].public()
-                    lasts.append(delta)
-                yield body, outcome[0]
-        if include_usage:
-            usage = self.frontend.completion_usage(lasts)
-            yield {"id": turns[0][0].request_id, "object": "text_completion", "created": now(), "model": self.model,
-                   "choices": [], "usage": usage.model_dump(mode="json")}, outcome[0]
+        """The stream's chunk dicts, choice after choice; the chunk that finishes a turn, and the usage chunk,
+        carry its `kvrelay`."""
+        chat = isinstance(req, ChatCompletionRequest)
+        chunks = self.frontend.chat_chunks if chat else self.frontend.completion_chunks
+        outputs: list[list[list[GenerateDelta]]] = []
+        for choices in prompts:
+            outputs.append([])
+            for choice in choices:
+                outcome: list[TurnOutcome] = []
+                deltas = self._deltas(choice.turn, outcome)
+                async for chunk, delta in chunks(req, choice.rendered, choice.index, deltas):
+                    body = chunk.model_dump(mode="json")
+                    if delta.finished:
+                        body["kvrelay"] = outcome[0].public()
+                        outputs[-1].append([delta])
+                    yield body, outcome[0]
+        if req.stream_options and req.stream_options.include_usage:
+            yield {"id": prompts[0][0].rendered.request_id, "object": "chat.completion.chunk" if chat else
+                   "text_completion", "created": now(), "model": self.model, "choices": [],
+                   "usage": usage(outputs).model_dump(mode="json"), "kvrelay": outcome[0].public()}, outcome[0]
 
     async def _deltas(self, turn: Turn, outcome: list[TurnOutcome]) -> AsyncIterator[GenerateDelta]:
         """The turn's deltas; its outcome lands in `outcome` with the first one."""

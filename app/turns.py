@@ -30,7 +30,7 @@ from configs.app import Policy
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn
-from kvtransfer.types import Hold, HoldOffer
+from kvtransfer.types import Hold, HoldOffer, LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class Turn:
     session_id: str | None = None
     # How the turn is placed; the baselines exist so benchmarks can compare on the same engines.
     policy: Policy = Policy.KVRELAY
+    # vLLM's scheduling priority (lower runs first; engines refuse non-zero ones unless they schedule by priority).
+    priority: int = 0
 
 
 @dataclass
@@ -198,6 +200,9 @@ class TurnRunner:
         started = time.perf_counter()
         key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
         lookup, replicas = self.directory.lookup(key), self.directory.live()
+        if turn.params.prompt_logprobs is not None:
+            # Every prompt position needs its logprobs computed: nothing cached or pulled may stand in for it.
+            lookup = LookupResult(lookup.query_tokens, ())
         views = with_busy_peers([self.inflight.view(r) for r in replicas], {r.replica_id: r.node_id for r in replicas})
 
         if not views:
@@ -281,6 +286,7 @@ class TurnRunner:
             prefilled=prefilled,
             target_replica=plan.replica_id or None,
             cache_salt=turn.tenant or None,
+            priority=turn.priority,
             skip_prefix_cache=skip_cache,
             export_hold=self._leaves_holds(turn),
         )

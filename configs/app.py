@@ -124,6 +124,9 @@ class AppConfig(BaseModel):
     # the `x-kvrelay-policy` header).
     policy: Policy = Policy.KVRELAY
     openai: OpenAISettings = Field(default_factory=OpenAISettings)
+    # Serve's and vLLM's logging in every deployment. Internal calls (heartbeats, the directory's feed, each turn's
+    # engine call) never get access-log lines; the ingress logs one per client request at INFO.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @model_validator(mode="after")
     def _check_topology(self) -> AppConfig:

@@ -168,7 +168,8 @@ def run_app(name: str, route_prefix: str, port: int, **config: Any) -> ServedApp
 
     from app.builder import build_app
 
-    serve.run(build_app(dict(config, name=name)), name=name, route_prefix=route_prefix)
+    # Serve's per-request INFO access logs would otherwise stream into pytest's output.
+    serve.run(build_app({"log_level": "WARNING", **config, "name": name}), name=name, route_prefix=route_prefix)
     keys = config.get("openai", {}).get("api_keys") or [None]
     return ServedApp(name, f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", keys[0])
 

@@ -125,7 +125,7 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({**GOOD, "messages": "hi"}, 400, "messages"),
         ({"model": MODEL}, 400, "missing required field 'messages'"),
         ({**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
-        ({**GOOD, "n": 2}, 400, "send n=1"),
+        ({**GOOD, "n": 0}, 400, "n"),
         ({**GOOD, "model": "gpt-5"}, 404, "does not exist"),
         ({**GOOD, "kv_transfer_params": {"remote_block_ids": [[1]]}}, 400, "cannot be set by clients"),
         ({**GOOD, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "2048"),
@@ -156,7 +156,7 @@ def test_malformed_json_and_non_object_bodies(tiny_app):
 
 def test_service_keeps_serving_after_bad_requests(client, tiny_app):
     for _ in range(3):
-        post(tiny_app, CHAT, json={**GOOD, "n": 3})
+        post(tiny_app, CHAT, json={**GOOD, "top_k": -3})
     resp = client.chat.completions.create(**GOOD)
     assert resp.choices[0].message.content is not None
 
@@ -254,3 +254,49 @@ def test_each_api_key_is_a_tenant_whose_kv_no_other_key_reuses(tiny_app):
     assert cached(API_KEYS[0]) == 0
     assert cached(API_KEYS[0]) > 0  # the same tenant reuses its prefix
     assert cached(API_KEYS[1]) == 0  # another key never does
+
+
+def test_api_keys_may_also_come_from_a_file(tmp_path, monkeypatch):
+    from app.ingress import API_KEYS_FILE_ENV, load_api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-one\n\n  sk-two  \n")
+    monkeypatch.setenv(API_KEYS_FILE_ENV, str(keys))
+    assert load_api_keys(["sk-config"]) == ["sk-config", "sk-one", "sk-two"]
+
+
+def test_prompt_logprobs_cover_every_prompt_token_even_when_the_prompt_is_cached(tiny_app):
+    body = {"model": MODEL, "prompt": "the river runs to the sea " * 8, "max_tokens": 2, "prompt_logprobs": 1}
+    for _ in range(2):  # the second time the prompt is cached (or held) somewhere: it is computed anyway
+        resp = post(tiny_app, "/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        result = resp.json()
+        logprobs = result["choices"][0]["prompt_logprobs"]
+        assert len(logprobs) == result["usage"]["prompt_tokens"] and logprobs[0] is None
+        assert all(entry for entry in logprobs[1:])
+        assert result["kvrelay"]["mode"] == "recompute" and result["kvrelay"]["reused_tokens"] == 0
+
+
+def test_n_choices_each_run_as_a_turn(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+    completion = client.completions.create(model=MODEL, prompt=["one two", "three four"], n=2, max_tokens=2,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3] and completion.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                                 max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
+    finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1]
+
+
+def test_echo_and_what_the_response_may_return_about_its_prompt(client):
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "The answer is"}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0,
+        extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True,
+                    "return_token_ids": True, "return_prompt_text": True})
+    assert resp.choices[0].message.content.startswith("The answer is")
+    extra = resp.model_extra
+    assert len(extra["prompt_token_ids"]) == resp.usage.prompt_tokens
+    assert "hello there" in extra["prompt_text"]

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import TINY_ENGINE, run_app
@@ -59,6 +60,20 @@ def test_impossible_user_models_are_refused_before_anything_starts(tmp_path):
         app_with(tmp_path / "nothing-here", max_model_len=512)
 
 
+# A chat template that renders tools, tool calls and tool results the way vLLM's hermes parser reads them. The
+# model behind it has random weights: this checks the plumbing (template, constrained decoding, parser), not a
+# model's judgement about when to call.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call>. Tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}{% else %}{{ message['content'] }}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path):
     from ray import serve
 
@@ -69,7 +84,7 @@ def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path)
     engine = dict(TINY_ENGINE, model=str(mine), max_model_len=1024)
     app = run_app("mine", "/mine", serve_port, pool={"num_replicas": 1, "engine": engine},
                   openai={"served_model_name": "my-model", "tool_call_parser": "hermes",
-                          "enable_auto_tool_choice": True})
+                          "enable_auto_tool_choice": True, "chat_template": TOOL_TEMPLATE})
     try:
         models = httpx.get(f"{app.base_url}/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["my-model"]
@@ -79,15 +94,26 @@ def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path)
         assert resp.json()["model"] == "my-model" and resp.json()["usage"]["completion_tokens"] == 3
         wrong = httpx.post(f"{app.base_url}/v1/chat/completions", json={**body, "model": "tiny-llama"}, timeout=60)
         assert wrong.status_code == 404
-        # A named tool choice with the configured parser: vLLM constrains the output to the tool's call and parses
-        # it back (random weights would never produce it on their own).
-        city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
-        tools = [{"type": "function", "function": {"name": "weather", "parameters": city}}]
-        call = httpx.post(f"{app.base_url}/v1/chat/completions", timeout=120, json={
-            **body, "max_tokens": 200, "tools": tools,
-            "tool_choice": {"type": "function", "function": {"name": "weather"}}}).json()
-        tool_calls = call["choices"][0]["message"]["tool_calls"]
-        assert [t["function"]["name"] for t in tool_calls] == ["weather"], call
-        assert json.loads(tool_calls[0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+        tool_call_round_trip(openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="none", max_retries=0))
     finally:
         serve.delete("mine")
+
+
+def tool_call_round_trip(client) -> None:
+    """A named tool choice: vLLM constrains the output to the tool's call and its parser reads it back (random
+    weights would never produce it on their own); then the tool's result goes back and the model answers."""
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    # strict: vLLM then constrains the arguments to the schema too (without it, to any JSON).
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": city, "strict": True}}]
+    messages = [{"role": "user", "content": "what is the weather in the capital of france?"}]
+    call = client.chat.completions.create(model="my-model", messages=messages, tools=tools, max_tokens=200,
+                                          tool_choice={"type": "function", "function": {"name": "weather"}})
+    tool_calls = call.choices[0].message.tool_calls
+    assert [t.function.name for t in tool_calls] == ["weather"], call
+    assert json.loads(tool_calls[0].function.arguments) in ({"city": "Paris"}, {"city": "Rome"}), tool_calls
+    messages += [call.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": tool_calls[0].id, "content": "sunny, 21 degrees"}]
+    answer = client.chat.completions.create(model="my-model", messages=messages, tools=tools, tool_choice="none",
+                                            max_tokens=4)
+    assert answer.choices[0].message.content is not None and not answer.choices[0].message.tool_calls
+    assert answer.usage.prompt_tokens > call.usage.prompt_tokens
