@@ -300,3 +300,4 @@ def test_echo_and_what_the_response_may_return_about_its_prompt(client):
     extra = resp.model_extra
     assert len(extra["prompt_token_ids"]) == resp.usage.prompt_tokens
     assert "hello there" in extra["prompt_text"]
+

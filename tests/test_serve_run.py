@@ -4,6 +4,7 @@ on 127.0.0.1:8000."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -70,6 +71,18 @@ def test_serve_run_serves_the_default_model(served):
     assert httpx.get(f"{BASE}/health", timeout=30).json()["replicas"] == 2
     # Both replicas reached the directory and the ingress's mirror of it through their heartbeats.
     assert httpx.get(f"{PROXY}/health", timeout=30).json()["replicas"] == 2
+
+
+def test_json_mode_returns_parseable_json(served):
+    """With the official client and a real model: random-weight test models never close the object they open."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct", temperature=0, max_tokens=400, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'What is the capital of France? Answer only {"answer": "<city>"}'}])
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
 def listening_addresses(port: int) -> set[str]:
