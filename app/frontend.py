@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionStreamResponse,
 )
 from vllm.entrypoints.openai.completion.protocol import (
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -77,6 +78,22 @@ def merged(deltas: list[GenerateDelta]) -> TurnTokens:
     if any(d.logprobs is not None for d in deltas):
         logprobs = GenerateLogProbs(content=[c for d in deltas if d.logprobs for c in d.logprobs.content or []])
     return TurnTokens([t for d in deltas for t in d.token_ids], logprobs, deltas[-1].finish_reason)
+
+
+def tokens_as_ids(logprobs: Any, generated: GenerateLogProbs | None) -> None:
+    """`return_tokens_as_token_ids`: name each logprob's token "token_id:N", as vLLM's server does (for tokens
+    that do not decode to text on their own). `logprobs` is a chat or a completion logprobs object."""
+    if logprobs is None or generated is None or not generated.content:
+        return
+    name = "token_id:{}".format
+    if isinstance(logprobs, CompletionLogProbs):
+        logprobs.tokens = [name(g.token_id) for g in generated.content]
+        logprobs.top_logprobs = [{name(t.token_id): t.logprob for t in g.top_logprobs} for g in generated.content]
+        return
+    for entry, g in zip(logprobs.content or [], generated.content, strict=False):
+        entry.token, entry.bytes = name(g.token_id), list(name(g.token_id).encode())
+        for top, t in zip(entry.top_logprobs, g.top_logprobs, strict=False):
+            top.token, top.bytes = name(t.token_id), list(name(t.token_id).encode())
 
 
 def usage(outputs: list[list[list[GenerateDelta]]] | list[list[GenerateDelta]]) -> UsageInfo:
@@ -183,7 +200,9 @@ class Frontend:
                                            prompt_token_ids=rendered.token_ids)
         choices = await self.derenderer.derender_chat(generated, request, rendered.token_ids)
         echo = self._chat_echo(request)
-        for choice in choices:
+        for choice, deltas in zip(choices, outputs, strict=True):
+            if request.return_tokens_as_token_ids:
+                tokens_as_ids(choice.logprobs, merged(deltas).logprobs)
             if choice.message.tool_calls and request.tool_choice in (None, "auto") and choice.finish_reason == "stop":
                 choice.finish_reason = "tool_calls"  # as vLLM's own server says when the model chose to call
             if echo:
@@ -213,6 +232,8 @@ class Frontend:
         for choice, (r, prompt, deltas) in zip(choices, per_choice, strict=True):
             if request.echo:
                 choice.text = prompt + choice.text
+            if request.return_tokens_as_token_ids:
+                tokens_as_ids(choice.logprobs, merged(deltas).logprobs)
             choice.prompt_logprobs = clamp_prompt_logprobs(deltas[0].prompt_logprobs)
             if request.return_token_ids:
                 choice.prompt_token_ids = list(r.token_ids)
@@ -233,6 +254,8 @@ class Frontend:
             )
             if not chunk.choices:
                 continue
+            if request.return_tokens_as_token_ids:
+                tokens_as_ids(chunk.choices[0].logprobs, delta.logprobs)
             if echo:  # the echoed message leads the first chunk, as vLLM's server sends it
                 chunk.choices[0].delta.content, echo = echo + (chunk.choices[0].delta.content or ""), ""
             yield chunk, delta
@@ -252,6 +275,8 @@ class Frontend:
             )
             if echo and chunk.choices:  # the prompt leads the first chunk, as vLLM's server sends it
                 chunk.choices[0].text, echo = echo + chunk.choices[0].text, ""
+            if request.return_tokens_as_token_ids and chunk.choices:
+                tokens_as_ids(chunk.choices[0].logprobs, delta.logprobs)
             yield chunk, delta
 
     @staticmethod

@@ -183,6 +183,12 @@ def test_logprobs_come_back_for_every_token(client):
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     # Greedy: the chosen token is the most likely one.
     assert all(t.logprob == pytest.approx(max(a.logprob for a in t.top_logprobs)) for t in content)
+    as_ids = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                            temperature=0, logprobs=True, top_logprobs=2,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    named = as_ids.choices[0].logprobs.content
+    assert all(t.token.startswith("token_id:") and t.top_logprobs[0].token.startswith("token_id:") for t in named)
+    assert [t.logprob for t in named] == pytest.approx([t.logprob for t in content])
 
 
 def test_a_json_schema_response_format_constrains_the_answer(client):
@@ -301,3 +307,15 @@ def test_echo_and_what_the_response_may_return_about_its_prompt(client):
     assert len(extra["prompt_token_ids"]) == resp.usage.prompt_tokens
     assert "hello there" in extra["prompt_text"]
 
+
+
+def test_the_readme_table_covers_every_request_field_vllm_accepts():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from tests.conftest import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    missing = [f for f in {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields}
+               if f"| `{f}` |" not in readme]
+    assert not missing, f"add these vLLM request fields to the README's table: {sorted(missing)}"
