@@ -310,7 +310,7 @@ class Frontend:
             return [prompt]
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             return list(prompt)
-            return [self._decode(r.token_ids) for r in rendered]
+        return [self._decode(r.token_ids) for r in rendered]
 
     @staticmethod
     def _stream_chunk(rendered: GenerateRequest, delta: GenerateDelta, index: int) -> GenerateTokensStreamResponse:

@@ -319,3 +319,15 @@ def test_the_readme_table_covers_every_request_field_vllm_accepts():
     missing = [f for f in {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields}
                if f"| `{f}` |" not in readme]
     assert not missing, f"add these vLLM request fields to the README's table: {sorted(missing)}"
+
+
+def test_a_prompt_of_token_ids_streams_and_answers(tiny_app):
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    whole = post(tiny_app, "/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["usage"]["prompt_tokens"] == 5 and whole.json()["usage"]["completion_tokens"] == 3
+    with httpx.stream("POST", f"{tiny_app.base_url}/v1/completions", json={**body, "stream": True},
+                      headers=tiny_app.headers, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "error" not in "".join(events)
