@@ -1,0 +1,82 @@
+"""What vLLM's OpenAI front end costs the ingress per request, in-process (no engine, no Ray): rendering a chat
+request to token ids and sampling parameters, derendering a whole answer, and derendering one streamed chunk.
+
+    python -m benchmarks.frontend --out benchmarks/results/frontend.json [--iterations 300]
+
+The conversation is a system prompt and a user turn of about 300 tokens of the default model; the answer is 32
+tokens. Medians after 50 warm-up iterations, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from actors.replica_api import GenerateDelta
+from app.frontend import Frontend
+from configs.app import OpenAISettings
+from configs.models import DEFAULT_MODEL
+from model_prep.store import model_path
+
+ANSWER = "Paris is the capital of France, a large city with many museums and parks along the river Seine."
+
+
+async def measure(frontend: Frontend, iterations: int) -> dict[str, float]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {"model": frontend.served_name, "max_tokens": 32, "stream": True,
+            "messages": [{"role": "system", "content": "You are a helpful assistant. " * 40},
+                         {"role": "user", "content": "Tell me about Paris and its history. " * 15}]}
+    answer = frontend.renderer.renderer.get_tokenizer().encode(ANSWER, add_special_tokens=False)[:32]
+    render, whole, chunk = [], [], []
+    prompt_tokens = 0
+    for _ in range(iterations):
+        started = time.perf_counter()
+        request = ChatCompletionRequest.model_validate(body)
+        rendered = await frontend.render_chat(request)
+        render.append(time.perf_counter() - started)
+        prompt_tokens = len(rendered.token_ids)
+        deltas = [GenerateDelta(token_ids=[t], text="", finished=i == len(answer) - 1,
+                                finish_reason="length" if i == len(answer) - 1 else None,
+                                prompt_tokens=prompt_tokens, completion_tokens=i + 1)
+                  for i, t in enumerate(answer)]
+
+        async def stream(items: list[GenerateDelta] = deltas) -> AsyncIterator[GenerateDelta]:
+            for item in items:
+                yield item
+
+        started = time.perf_counter()
+        async for piece, _ in frontend.chat_chunks(request, rendered, 0, stream()):
+            json.dumps(piece.model_dump(mode="json"))
+        chunk.append((time.perf_counter() - started) / len(deltas))
+        started = time.perf_counter()
+        json.dumps((await frontend.chat_response(request, rendered, [deltas])).model_dump(mode="json"))
+        whole.append(time.perf_counter() - started)
+
+    def median_ms(samples: list[float]) -> float:
+        return round(statistics.median(samples[50:]) * 1e3, 3)
+
+    return {"render_ms_p50": median_ms(render), "derender_answer_ms_p50": median_ms(whole),
+            "derender_chunk_ms_p50": median_ms(chunk), "prompt_tokens": prompt_tokens, "answer_tokens": len(answer)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    args = parser.parse_args()
+    frontend = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
+    figures = asyncio.run(measure(frontend, max(args.iterations, 60))) | {"model": args.model}
+    print(json.dumps(figures, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
