@@ -137,7 +137,6 @@ class Frontend:
             # counts); the ingress starts none, and its own children must not inherit them.
             os.environ.clear()
             os.environ.update(environ)
-        self.model_config = model_config
         renderer = renderer_from_config(vllm_config)
         chat_template = load_chat_template(settings.chat_template)
         common: dict[str, Any] = dict(
