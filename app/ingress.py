@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 SERVER_FAILED = "the server failed to serve this request (the error is logged); retry it"
 # A file of API keys, one per line, read at start-up in addition to the config's `openai.api_keys`.
 API_KEYS_FILE_ENV = "KVRELAY_API_KEYS_FILE"
+# What a 429 asks the client to wait (seconds).
+RETRY_AFTER_S = 1
 # Routes anyone may call when API keys are configured.
 OPEN_ROUTES = ("/health", "/version")
 
@@ -136,6 +138,7 @@ class Ingress:
                 engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s
             )
         self.metrics = IngressMetrics()
+        self.turns_running = 0
         self.pools = {PREFILL_POOL: engines, **pools}
         self.created = now()
         vocab = len(self.frontend.renderer.renderer.get_tokenizer())
@@ -497,6 +500,15 @@ class Ingress:
     async def _run(
         self, turn: Turn, force: tuple[Mode, str] | None = None
     ) -> AsyncIterator[tuple[GenerateDelta, TurnOutcome]]:
+        """The turn's deltas, if this ingress has room for another turn (else a 429 before anything runs). A turn
+        holds its place until its last delta, or until its consumer stops reading (a client that disconnects
+        closes this generator, which cancels the engine request)."""
+        if self.turns_running >= self.config.ingress_max_turns:
+            self.metrics.errors.labels(kind="overload").inc()
+            raise ClientError(429, f"this ingress is running its limit of {self.config.ingress_max_turns} turns; "
+                              f"retry in {RETRY_AFTER_S} s", code="rate_limit_exceeded",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.turns_running += 1
         started = time.monotonic()
         try:
             async for delta, outcome in self.runner.run(turn, force):
@@ -508,6 +520,8 @@ class Ingress:
             if refused is None:
                 raise
             raise ClientError(400, str(refused)) from None
+        finally:
+            self.turns_running -= 1
 
     async def _collect(
         self, turn: Turn, force: tuple[Mode, str] | None = None

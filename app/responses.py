@@ -15,12 +15,15 @@ from starlette.responses import JSONResponse
 class ClientError(Exception):
     """A request the client must change; becomes an OpenAI-style 4xx."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
-        return openai_error(self.status, self.message, param=self.param, code=self.code)
+        response = openai_error(self.status, self.message, param=self.param, code=self.code)
+        response.headers.update(self.headers or {})
+        return response
 
 
 def openai_error(

@@ -119,6 +119,9 @@ class AppConfig(BaseModel):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     decode_pool: PoolConfig | None = None
     ingress_num_cpus: float = Field(default=0.1, gt=0)
+    # Turns one ingress replica runs at once; a request beyond them gets 429 with Retry-After at once rather than
+    # a place in an unbounded queue.
+    ingress_max_turns: int = Field(default=256, ge=1)
     # How turns are placed (`kvtransfer/planner.py` implements each). "kvrelay" plans by measured cost; the others
     # are the routers users would otherwise run, kept for side-by-side benchmarks (a request may also name one in
     # the `x-kvrelay-policy` header).
