@@ -51,11 +51,13 @@ def served(tmp_path_factory):
             time.sleep(2)
         else:
             pytest.fail("serve run did not become healthy in 900 s:\n" + log.read_text()[-3000:])
-        yield log
+        yield proc, log
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
         try:
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
+        except ProcessLookupError:
+            pass  # the last test killed the group itself
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
@@ -105,9 +107,41 @@ def test_the_console_prints_a_line_per_client_request_and_nothing_while_idle(ser
     """Heartbeats and the directory's feed run all the time; they used to print ~2.4 access-log lines a second,
     and every turn's hold expiring unread printed a warning of vLLM's."""
     time.sleep(30)  # start-up's own lines (engines, the calibration's first pulls) reach the console late
-    before = served.read_bytes()
+    _, log = served
+    before = log.read_bytes()
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert httpx.post(f"{BASE}/v1/chat/completions", json=body, timeout=120).status_code == 200
     time.sleep(20)  # past the hold's lease (10 s)
-    printed = served.read_bytes()[len(before):].decode(errors="replace").splitlines()
+    printed = log.read_bytes()[len(before):].decode(errors="replace").splitlines()
     assert len(printed) <= 1, "\n".join(printed)
+
+
+def session_processes(sid: int) -> dict[int, str]:
+    """pid -> command line of every live process in session `sid` (zombies left out)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if os.getsid(int(entry.name)) != sid or state == "Z":
+                continue
+            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ProcessLookupError):
+            continue
+    return found
+
+
+def test_nothing_survives_a_sigkill_of_serve_runs_process_group(served):
+    """As a harness, `timeout` or a supervisor stops it: SIGKILL to the whole group, so nobody shuts the engines
+    down. Every process `serve run` started (Ray, Serve's replicas, vLLM's engines) is gone 15 s later. Runs last in
+    this module: it ends the app the other tests used."""
+    proc, _ = served
+    started = session_processes(proc.pid)
+    assert any("VLLM::EngineCore" in cmd for cmd in started.values()), started
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    deadline = time.monotonic() + 15
+    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
