@@ -59,6 +59,7 @@ def engine_deployment(name: str, pool: PoolConfig, directory: Application, confi
         name=name,
         **size,
         max_ongoing_requests=pool.max_ongoing_requests,
+        max_queued_requests=pool.max_queued_requests,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
         health_check_period_s=10,

@@ -32,8 +32,9 @@ class DisaggregatedTurnRunner(TurnRunner):
         model: str,
         block_size: int,
         hold_ttl_s: float,
+        max_migrations: int = 2,
     ) -> None:
-        super().__init__(engines, directory, cost, model, block_size, hold_ttl_s)
+        super().__init__(engines, directory, cost, model, block_size, hold_ttl_s, max_migrations)
         self.decode_engines = decode_engines
 
     def _targets(self) -> list[str] | None:

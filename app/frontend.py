@@ -14,8 +14,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
@@ -57,10 +58,11 @@ from vllm.renderers.online_derenderer import OnlineDerenderer
 from vllm.renderers.online_renderer import OnlineRenderer
 
 from actors.replica_api import GenerateDelta
-from app.responses import ClientError
+from app.responses import ClientError, as_client_error
 from configs.app import OpenAISettings
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
+T = TypeVar("T", bound=BaseModel)
 
 
 @dataclass
@@ -106,6 +108,19 @@ def usage(outputs: list[list[list[GenerateDelta]]] | list[list[GenerateDelta]]) 
         completion += sum(deltas[-1].completion_tokens for deltas in per_prompt)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))
+
+
+def parse_request(request_cls: type[T], body: dict[str, Any]) -> T:
+    """A request body as one of vLLM's request models; any refusal is the client's 400. vLLM's validators assume
+    well-typed fields and fail on some malformed ones with a TypeError or AttributeError rather than a
+    validation error: the body is at fault all the same."""
+    try:
+        return request_cls.model_validate(body)
+    except Exception as exc:
+        refused = as_client_error(exc)
+        if refused is not None:
+            raise refused from None
+        raise ClientError(400, f"the request body is malformed: a field has the wrong shape ({exc})") from None
 
 
 def raise_error(result: ErrorResponse) -> None:
@@ -169,11 +184,11 @@ class Frontend:
         return await self._call(self.render.render_completion_request(request))
 
     async def tokenize(self, body: dict[str, Any]) -> TokenizeResponse:
-        request = (TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest).model_validate(body)
+        request = parse_request(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
         return await self._call(self.tokenization.create_tokenize(request, None))
 
     async def detokenize(self, body: dict[str, Any]) -> DetokenizeResponse:
-        return await self._call(self.tokenization.create_detokenize(DetokenizeRequest.model_validate(body), None))
+        return await self._call(self.tokenization.create_detokenize(parse_request(DetokenizeRequest, body), None))
 
     @staticmethod
     async def _call(pending: Any) -> Any:

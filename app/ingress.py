@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,20 +36,21 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateReque
 from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.disaggregated import DisaggregatedTurnRunner
-from app.frontend import Frontend, OpenAIRequest, usage
+from app.frontend import Frontend, OpenAIRequest, parse_request, usage
 from app.metrics import IngressMetrics
 from app.responses import (
     ClientError,
     KVRelayInfo,
     TurnResult,
     TurnUsage,
+    as_client_error,
+    caused_by,
     new_id,
     now,
     openai_error,
     prepend,
-    validation_message,
 )
-from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
+from app.turns import PREFILL_POOL, Turn, TurnLost, TurnOutcome, TurnRunner
 from configs.app import AppConfig, Policy
 from kvtransfer.calibration import calibrate
 from kvtransfer.cost_model import CostModel
@@ -65,17 +67,6 @@ API_KEYS_FILE_ENV = "KVRELAY_API_KEYS_FILE"
 RETRY_AFTER_S = 1
 # Routes anyone may call when API keys are configured.
 OPEN_ROUTES = ("/health", "/version")
-
-
-def invalid_request(exc: BaseException) -> InvalidRequestError | None:
-    """The replica's refusal of a request, however Ray or Serve wrapped it on the way back, else None."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, InvalidRequestError):
-            return exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    return None
 
 
 def hashed(secret: str) -> str:
@@ -131,11 +122,13 @@ class Ingress:
         decode_engines = pools.get("decode_engines")
         if decode_engines is None:
             self.runner = TurnRunner(
-                engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s
+                engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s,
+                self.config.max_migrations,
             )
         else:
             self.runner = DisaggregatedTurnRunner(
-                engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s
+                engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s,
+                self.config.max_migrations,
             )
         self.metrics = IngressMetrics()
         self.turns_running = 0
@@ -237,11 +230,12 @@ class Ingress:
     async def _tokenization(self, request: Request, call) -> Response:
         try:
             return JSONResponse((await call(await self._body(request))).model_dump(mode="json"))
-        except ValidationError as exc:
-            message, param = validation_message(exc)
-            return ClientError(400, message, param=param).response()
-        except ClientError as exc:
-            return exc.response()
+        except Exception as exc:
+            refused = as_client_error(exc)
+            if refused is None:
+                raise  # the app's handler logs it and answers an OpenAI-format 500
+            self.metrics.errors.labels(kind="client").inc()
+            return refused.response()
 
     @staticmethod
     async def _body(request: Request) -> dict[str, Any]:
@@ -262,11 +256,7 @@ class Ingress:
     async def _http(self, request: Request, request_cls: type[OpenAIRequest]) -> Response:
         headers: dict[str, str] = {}
         try:
-            try:
-                req = request_cls.model_validate(await self._body(request))
-            except ValidationError as exc:
-                message, param = validation_message(exc)
-                raise ClientError(400, message, param=param) from None
+            req = parse_request(request_cls, await self._body(request))
             turns = await self._turns(req, self._tenant(request), request.headers.get("x-session-id"),
                                       request.headers.get("x-kvrelay-policy"))
             if req.stream:
@@ -276,14 +266,17 @@ class Ingress:
             else:
                 body, outcome = await self._respond(req, turns)
                 headers["x-kvrelay-plan"] = json.dumps(outcome.public(), separators=(",", ":"))
-        except ValidationError as exc:  # a value vLLM's sampling parameters refuse
-            message, param = validation_message(exc)
-            self.metrics.errors.labels(kind="client").inc()
-            return ClientError(400, message, param=param).response()
-        except ClientError as exc:
-            self.metrics.errors.labels(kind="client").inc()
-            return exc.response()
-        except Exception:  # ours, not the client's: logged here, never shown (it names actors and processes)
+        except TurnLost as exc:
+            self.metrics.errors.labels(kind="server").inc()
+            response = openai_error(503, str(exc), code="replica_failed")
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
+        except Exception as exc:
+            refused = as_client_error(exc)  # the request (or a value vLLM's sampling parameters refuse)
+            if refused is not None:
+                self.metrics.errors.labels(kind="client").inc()
+                return refused.response()
+            # Ours, not the client's: logged here, never shown (it names actors and processes).
             logger.exception("request failed before its response began")
             self.metrics.errors.labels(kind="server").inc()
             return openai_error(500, SERVER_FAILED)
@@ -295,10 +288,16 @@ class Ingress:
         try:
             async for chunk, _ in chunks:
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-        except Exception:  # the status line is sent already; report in-band like OpenAI does, without internals
-            logger.exception("stream failed")
-            self.metrics.errors.labels(kind="server").inc()
-            yield f"data: {json.dumps({'error': {'message': SERVER_FAILED, 'type': 'server_error'}})}\n\n"
+        except Exception as exc:  # the status line is sent already; report in-band like OpenAI does, no internals
+            refused = as_client_error(exc)  # e.g. a later choice or prompt the engine refuses
+            if refused is not None:
+                self.metrics.errors.labels(kind="client").inc()
+                error = {"message": refused.message, "type": "invalid_request_error", "param": refused.param}
+            else:
+                logger.exception("stream failed")
+                self.metrics.errors.labels(kind="server").inc()
+                error = {"message": str(exc) if isinstance(exc, TurnLost) else SERVER_FAILED, "type": "server_error"}
+            yield f"data: {json.dumps({'error': error})}\n\n"
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------------------ OpenAI requests as turns
@@ -418,7 +417,7 @@ class Ingress:
         return await self._handle_call(CompletionRequest, request, tenant, session_id, policy)
 
     async def _handle_call(self, request_cls, request, tenant: str, session_id: str | None, policy: str | None):
-        req = request if isinstance(request, request_cls) else request_cls.model_validate(request)
+        req = request if isinstance(request, request_cls) else parse_request(request_cls, request)
         turns = await self._turns(req, tenant, session_id, policy)
         if req.stream:
             return (chunk async for chunk, _ in self._stream(req, turns))
@@ -516,7 +515,11 @@ class Ingress:
                     self.metrics.observe_turn(outcome, delta, time.monotonic() - started)
                 yield delta, outcome
         except Exception as exc:
-            refused = invalid_request(exc)
+            if caused_by(exc, BackPressureError):
+                self.metrics.errors.labels(kind="overload").inc()
+                raise ClientError(429, f"the engines' queue is full; retry in {RETRY_AFTER_S} s",
+                                  code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            refused = caused_by(exc, InvalidRequestError)
             if refused is None:
                 raise
             raise ClientError(400, str(refused)) from None

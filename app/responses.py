@@ -45,6 +45,23 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return (f"{where}: {msg}" if where and err["type"] != "missing" else msg), where
 
 
+def as_client_error(exc: BaseException) -> ClientError | None:
+    """The client's mistake `exc` stands for, as the 4xx to answer (pydantic's and vLLM's refusals of a request
+    included: vLLM's validators raise its own errors, which pydantic passes through unwrapped), else None."""
+    from vllm.exceptions import VLLMClientError, VLLMNotFoundError
+
+    if isinstance(exc, ClientError):
+        return exc
+    if isinstance(exc, ValidationError):
+        message, param = validation_message(exc)
+        return ClientError(400, message, param=param)
+    if isinstance(exc, VLLMClientError):
+        message = str(exc.args[0]) if exc.args else str(exc)
+        return ClientError(404 if isinstance(exc, VLLMNotFoundError) else 400, message,
+                           param=getattr(exc, "parameter", None))
+    return None
+
+
 class KVRelayInfo(BaseModel):
     """How kvrelay served the turn (also in the `x-kvrelay-plan` header)."""
 
@@ -73,6 +90,18 @@ class TurnResult(BaseModel):
     kvrelay: KVRelayInfo
     ttft_ms: float | None
     latency_ms: float
+
+
+def caused_by(exc: BaseException | None, *kinds: type[BaseException]) -> BaseException | None:
+    """The first exception of `kinds` in `exc`'s chain of causes (Ray and Serve wrap a replica's errors on the way
+    back: `RayTaskError.cause`, `__cause__`), else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, kinds):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
 
 
 def new_id(prefix: str) -> str:

@@ -4,7 +4,10 @@ The one path every request takes (HTTP or Python handle): hash the turn's token 
 of the KV directory who holds them and how loaded each replica is (no remote call), let `kvtransfer.planner`
 choose, take the hold from the directory when the plan pulls, stream from the chosen replica, then record the
 replica's new hold and feed the timings back to the cost model. A failed pull (dead holder, expired hold, NIXL
-error) re-runs the turn without the pull: the client sees a correct answer, only later.
+error) re-runs the turn without the pull: the client sees a correct answer, only later. A replica that dies
+while it serves a turn does not end it: the turn continues on another replica from the tokens already streamed
+(their prompt plus what was sent, pulled from a live holder where the planner says so), at most `max_migrations`
+times; the client sees one stream, each token once.
 
 `TurnRunner` runs aggregated turns (every replica prefills and decodes); `app/disaggregated.py` runs the same
 plan as a prefill on one pool and a decode on another.
@@ -18,14 +21,18 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from actors.directory_mirror import DirectoryMirror
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats
+from app.responses import caused_by
 from configs.app import Policy
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
@@ -35,6 +42,32 @@ from kvtransfer.types import Hold, HoldOffer, LookupResult
 logger = logging.getLogger(__name__)
 
 PREFILL_POOL = "engines"
+
+
+class TurnLost(Exception):
+    """Every replica a turn ran on died before its last token, `max_migrations` times over. The message is safe to
+    show a client: it names no replica, actor or process."""
+
+
+def lost_replica(exc: BaseException) -> bool:
+    """Whether a failed engine call means its replica (or the engine inside it) is gone: the turn may continue
+    elsewhere. Any other failure is not retried."""
+    return caused_by(exc, RayActorError, ReplicaUnavailableError, EngineDeadError) is not None
+
+
+def continuation(turn: Turn, produced: list[int]) -> Turn | None:
+    """The rest of `turn` after `produced` tokens were streamed: their prompt with those tokens appended, sampling
+    the remaining budget (prompt logprobs already went out with the first tokens). None if nothing is left."""
+    if not produced:
+        return turn
+    params = turn.params.clone()
+    if params.max_tokens is not None:
+        params.max_tokens -= len(produced)
+        if params.max_tokens < 1:
+            return None
+    params.min_tokens = max(0, params.min_tokens - len(produced))
+    params.prompt_logprobs = None
+    return replace(turn, token_ids=turn.token_ids + produced, params=params)
 
 
 @dataclass
@@ -64,16 +97,21 @@ class TurnOutcome:
     ttft_ms: float | None = None
     completion_tokens: int = 0
     pull_failed: bool = False
+    # How often the turn moved to another replica because the one serving it died (`plan` is the last one's).
+    migrations: int = 0
     counters: Counter = field(default_factory=Counter)
 
     def public(self) -> dict[str, Any]:
+        reason = self.plan.reason + ("; the pull failed, recomputed" if self.pull_failed else "")
+        if self.migrations:
+            reason += f"; continued on another replica after {self.migrations} replica failure(s)"
         return {
             "mode": self.plan.mode.value if not self.pull_failed else Mode.RECOMPUTE.value,
             "replica": self.replica_id or self.plan.replica_id,
             "holder": self.plan.holder,
             "reused_tokens": self.reused_tokens,
             "estimates_ms": self.plan.estimates_ms,
-            "reason": self.plan.reason + ("; the pull failed, recomputed" if self.pull_failed else ""),
+            "reason": reason,
         }
 
 
@@ -176,6 +214,7 @@ class TurnRunner:
         model: str,
         block_size: int,
         hold_ttl_s: float,
+        max_migrations: int = 2,
     ) -> None:
         self.engines = engines
         self.directory = directory
@@ -183,6 +222,7 @@ class TurnRunner:
         self.model = model
         self.block_size = block_size
         self.hold_ttl_s = hold_ttl_s
+        self.max_migrations = max_migrations
         self.counters: Counter = Counter()
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
@@ -224,15 +264,52 @@ class TurnRunner:
         """Stream the turn's deltas, each with the outcome so far (final on the last delta).
 
         `force` (tests, benchmarks) runs a given (mode, replica); a forced recompute also skips the
-        target's prefix cache, so it measures and reproduces a true recompute.
+        target's prefix cache, so it measures and reproduces a true recompute. If the replica serving the turn
+        dies, the rest of the turn is planned again and runs elsewhere (`continuation`); the deltas carry on
+        where the stream broke, and the last one counts the whole turn's tokens.
         """
-        plan = self.plan(turn, force, self._targets())
-        outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
-        self.counters[f"plans_{plan.mode.value}"] += 1
-        pull = await self._take_hold(turn, plan) if plan.mode is Mode.PULL else None
         started = time.monotonic()
-        async for delta in self._execute(turn, plan, pull, outcome, started, force):
-            yield delta, outcome
+        produced: list[int] = []
+        outcome: TurnOutcome | None = None
+        rest: Turn | None = turn
+        while rest is not None:
+            plan = self.plan(rest, force, self._targets())
+            if outcome is None:
+                outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
+            else:
+                outcome.plan, outcome.pull_failed = plan, False
+            self.counters[f"plans_{plan.mode.value}"] += 1
+            try:
+                pull = await self._take_hold(rest, plan) if plan.mode is Mode.PULL else None
+                sent_before = len(rest.token_ids) - len(turn.token_ids)  # streamed by replicas that died
+                async for delta in self._execute(rest, plan, pull, outcome, started, force):
+                    if delta.finished and sent_before:
+                        delta = delta.model_copy(update={
+                            "prompt_tokens": len(turn.token_ids),
+                            "completion_tokens": sent_before + delta.completion_tokens,
+                            "num_cached_tokens": min(delta.num_cached_tokens, len(turn.token_ids)),
+                        })
+                    produced.extend(delta.token_ids)
+                    yield delta, outcome
+                return
+            except Exception as exc:
+                if not lost_replica(exc):
+                    raise
+                if outcome.migrations >= self.max_migrations:
+                    raise TurnLost(f"the replicas serving this request failed {outcome.migrations + 1} times; "
+                                   "retry it") from exc
+                lost = plan.replica_id or outcome.replica_id
+                logger.warning("replica %s died serving %s after %d tokens; continuing elsewhere",
+                               lost, turn.request_id, len(produced))
+                self.counters["migrations"] += 1
+                outcome.migrations += 1
+                force = None  # a forced target is the one that died
+                if lost:
+                    await self.directory.deregister(lost)
+                rest = continuation(turn, produced)
+        # The replica died after the last token of the budget, before saying so: the turn is complete.
+        yield GenerateDelta(token_ids=[], text="", finished=True, finish_reason="length",
+                            prompt_tokens=len(turn.token_ids), completion_tokens=len(produced)), outcome
 
     def _targets(self) -> list[str] | None:
         """Where turns may start (None: any live replica)."""
@@ -268,7 +345,8 @@ class TurnRunner:
             async for delta in self._attempt(turn, plan, self._request(turn, plan, "turn", skip_cache=skip_cache),
                                              outcome, started):
                 yield delta
-        elif force is None and outcome.ttft_ms is not None and (pull is not None or plan.mode is not Mode.PULL):
+        elif (force is None and not outcome.migrations and outcome.ttft_ms is not None
+              and (pull is not None or plan.mode is not Mode.PULL)):
             # The turn ran as planned: teach the planner how far off its estimate was, and how long turns decode.
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
             self.cost.observe_output(outcome.completion_tokens)

@@ -70,12 +70,14 @@ class BenchApp:
 
 def start_app(
     model: str | None = None, num_replicas: int = 2, pool: dict[str, Any] | None = None,
-    throughput_optimized: bool = False, decode_pool: dict[str, Any] | None = None, **engine: Any
+    throughput_optimized: bool = False, decode_pool: dict[str, Any] | None = None, app: dict[str, Any] | None = None,
+    **engine: Any
 ) -> BenchApp:
     """Start Ray and serve a kvrelay app (default model unless given); waits until replicas report.
 
     `pool` adds PoolConfig fields (e.g. `num_gpus: 1` on GPU machines); `engine` adds EngineConfig fields.
     `decode_pool` (PoolConfig fields; its `engine` merged over `engine`) makes it prefill/decode disaggregated.
+    `app` adds AppConfig fields (e.g. `openai`).
     `throughput_optimized` runs Ray Serve's fast path (RAY_SERVE_THROUGHPUT_OPTIMIZED) in the cluster; this
     driver keeps its handles' router on a loop of its own so that its blocking calls still work."""
     loopback_ray_env()
@@ -104,14 +106,14 @@ def start_app(
              runtime_env={"env_vars": worker_env})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
-    config: dict[str, Any] = {"name": "bench",
+    config: dict[str, Any] = {**(app or {}), "name": "bench",
                               "pool": dict(pool or {}, num_replicas=num_replicas,
                                            engine=dict(engine, **(pool or {}).get("engine", {}), model=model))}
     if decode_pool is not None:
         decode_engine = dict(engine, **decode_pool.get("engine", {}), model=model)
         config |= {"topology": "disaggregated", "decode_pool": dict(decode_pool, engine=decode_engine)}
     serve.run(build_app(config), name="bench", route_prefix="/")
-    app = BenchApp(
+    bench = BenchApp(
         ingress=serve.get_app_handle("bench"),
         engines=serve.get_deployment_handle("engines", app_name="bench"),
         base_url=f"http://127.0.0.1:{port}",
@@ -120,8 +122,8 @@ def start_app(
         temp_dir=temp_dir,
         direct_url=f"http://127.0.0.1:{direct_port}" if direct_port else None,
     )
-    app.replica_ids(num_replicas + (decode_pool or {}).get("num_replicas", 1 if decode_pool is not None else 0))
-    return app
+    bench.replica_ids(num_replicas + (decode_pool or {}).get("num_replicas", 1 if decode_pool is not None else 0))
+    return bench
 
 
 def stop_app(app: BenchApp) -> None:

@@ -94,6 +94,9 @@ class PoolConfig(BaseModel):
     num_cpus: float = Field(default=0.5, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
     max_ongoing_requests: int = Field(default=32, ge=1)
+    # Requests each caller (an ingress replica) queues for this pool beyond those its replicas run; one more gets
+    # a 429 with Retry-After at once.
+    max_queued_requests: int = Field(default=64, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     autoscaling: AutoscalingSettings | None = None
 
@@ -122,6 +125,9 @@ class AppConfig(BaseModel):
     # Turns one ingress replica runs at once; a request beyond them gets 429 with Retry-After at once rather than
     # a place in an unbounded queue.
     ingress_max_turns: int = Field(default=256, ge=1)
+    # How often one turn may move to another replica because the one serving it died (its stream continues there
+    # from the tokens already sent); beyond that the client gets an error (0: never move).
+    max_migrations: int = Field(default=2, ge=0)
     # How turns are placed (`kvtransfer/planner.py` implements each). "kvrelay" plans by measured cost; the others
     # are the routers users would otherwise run, kept for side-by-side benchmarks (a request may also name one in
     # the `x-kvrelay-policy` header).

@@ -4,6 +4,7 @@ engine request and frees its place."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -50,3 +51,33 @@ def test_a_full_ingress_answers_429_and_a_client_that_leaves_frees_its_turn(serv
         assert httpx.post(url, json=short, timeout=60).status_code == 200
     finally:
         serve.delete("small")
+
+
+def test_a_full_engine_queue_answers_429_at_once(serve_port):
+    """Each replica runs `max_ongoing_requests` and the ingress queues `max_queued_requests` more for the pool; one
+    request beyond both is refused at once rather than queued without bound."""
+    from ray import serve
+
+    app = run_app("queue", "/queue", serve_port,
+                  pool={"num_replicas": 1, "max_ongoing_requests": 1, "max_queued_requests": 1,
+                        "engine": dict(TINY_ENGINE, model="tiny-llama")})
+    try:
+        app.replica_ids(1)
+        app.ingress.calibrated.remote().result()
+        url = f"{app.base_url}/v1/completions"
+        long = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 1900, "ignore_eos": True}
+
+        def send(_: int) -> tuple[httpx.Response, float]:
+            started = time.monotonic()
+            return httpx.post(url, json=long, timeout=120), time.monotonic() - started
+
+        # Three at once: one runs, one waits in the queue, the third finds both full.
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(send, range(3)))
+        refused = [(r, s) for r, s in answers if r.status_code == 429]
+        assert sorted(r.status_code for r, _ in answers) == [200, 200, 429], [r.text[:200] for r, _ in answers]
+        response, seconds = refused[0]
+        assert seconds < min(s for r, s in answers if r.status_code == 200)  # at once, not after a turn
+        assert response.headers["retry-after"] == "1" and response.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        serve.delete("queue")
