@@ -185,22 +185,31 @@ class DirectoryMirror:
         self._actor_id[local] = actor_id
 
     async def consume_hold(self, local_id: int) -> Hold | None:
-        """Take a hold this mirror offered: once, and only if the actor still has exactly that hold."""
-        pending = self._pending.get(local_id)
-        if pending is not None:
-            await asyncio.shield(pending)
-        actor_id = self._actor_id.get(local_id)
-        if actor_id is None:
+        """Take a hold this mirror offered: once, and only if the actor still has exactly that hold. None if it is
+        gone, or the actor cannot say (it died or is restarting: the turn then computes instead)."""
+        try:
+            pending = self._pending.get(local_id)
+            if pending is not None:
+                await asyncio.shield(pending)
+            actor_id = self._actor_id.get(local_id)
+            if actor_id is None:
+                return None
+            offered = self._drop_hold(actor_id)
+            hold = await self.directory.consume_hold.remote(actor_id)
+        except Exception as exc:
+            logger.warning("could not take hold %s from the KV directory: %s", local_id, exc)
             return None
-        offered = self._drop_hold(actor_id)
-        hold = await self.directory.consume_hold.remote(actor_id)
         if hold is None or hold != offered:
             return None  # pulled, released or expired meanwhile, or not the hold this mirror knew
         return hold
 
     async def deregister(self, replica_id: str) -> None:
+        """Forget a replica here at once, and at the actor (a restarted actor has forgotten it already)."""
         self._forget(replica_id)
-        await self.directory.deregister.remote(replica_id)
+        try:
+            await self.directory.deregister.remote(replica_id)
+        except Exception as exc:
+            logger.warning("could not deregister %s at the KV directory: %s", replica_id, exc)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -37,7 +38,7 @@ from actors.replica_api import (
 )
 from actors.vllm_engine import HoldStepper, check_platform_limits, engine_process_ids, quiet_holds, start_engine
 from configs.engine import EngineConfig
-from kvtransfer.connector import export_params
+from kvtransfer.connector import LOAD_FAILED, export_params
 from kvtransfer.types import Hold
 from model_prep.store import model_path
 
@@ -98,15 +99,17 @@ class EngineReplica:
 
     HEARTBEAT_S = 0.5
 
-    def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None, log_level: str | None = None
-                 ) -> None:
+    def __init__(self, config: EngineConfig | dict[str, Any], directory: Any = None, log_level: str | None = None,
+                 hold_key: str | None = None) -> None:
         """Start the engine. With `directory` (a handle to the KV directory deployment), report identity, load
         and prefix-cache events to it (`actors/directory_reporter.py`). `log_level` sets vLLM's logging here and in
-        the engine processes this replica starts."""
+        the engine processes this replica starts. `hold_key`, shared by the replicas of one app, seals the holds
+        this replica exports and checks those it reads (default: a key of its own, so it reads no other's holds)."""
         if log_level is not None:
             os.environ["VLLM_LOGGING_LEVEL"] = log_level  # read by vLLM in each engine process it spawns
             logging.getLogger("vllm").setLevel(log_level)
         self.config = EngineConfig.model_validate(config)
+        self._hold_key = (hold_key or secrets.token_hex(16)).encode()
         self.replica_id, local_rank, self.pool = _replica_context()
         self.node_id, node_ip = _node_identity()
         self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
@@ -184,6 +187,8 @@ class EngineReplica:
     async def release_hold(self, release: HoldRelease | dict[str, Any]) -> None:
         """Free another replica's hold before its lease ends; its blocks return to that replica's cache."""
         release = HoldRelease.model_validate(release)
+        if not release.hold.authentic(self._hold_key):
+            raise InvalidRequestError("this hold was not sealed by a replica of this app; it is not released")
         if release.hold.engine_id == self.engine_id:
             raise InvalidRequestError("a replica cannot release its own hold; send the release to another replica")
         await self.engine.notify_kv_transfer_request_rejected(
@@ -196,6 +201,14 @@ class EngineReplica:
         from vllm.exceptions import VLLMClientError
 
         request = GenerateRequest.model_validate(request)
+        reads = request.pull or request.prefilled
+        if reads is not None and not (reads.authentic(self._hold_key) and reads.covers(request.prompt_token_ids or ())):
+            # vLLM would read whatever blocks the hold names: never read a hold no replica of this app sealed for
+            # exactly the tokens this prompt starts with. Reported as a failed pull, which the caller recomputes.
+            logger.warning("request %s names a hold not sealed for its prompt; not reading it", request.request_id)
+            yield GenerateDelta(token_ids=[], text="", finished=True, finish_reason=LOAD_FAILED,
+                                replica_id=self.replica_id)
+            return
         params = self._sampling_params(request)
         prompt: Any = (
             TokensPrompt(prompt_token_ids=request.prompt_token_ids)
@@ -207,6 +220,7 @@ class EngineReplica:
         started = time.monotonic()
         first_token_at: float | None = None
         prompt_tokens = cached = completion = 0
+        output_ids: list[int] = []
         stream = self.engine.generate(prompt, params, request.request_id, priority=request.priority)
         # Whether this request had the engine to itself until its first token: only then do its timings
         # measure the model and the link rather than whatever else was batched with it.
@@ -221,6 +235,7 @@ class EngineReplica:
                 prompt_tokens = len(out.prompt_token_ids or ())
                 cached = out.num_cached_tokens or 0
                 completion += len(completion_out.token_ids)
+                output_ids.extend(completion_out.token_ids)
                 delta = GenerateDelta(
                     token_ids=list(completion_out.token_ids),
                     text=completion_out.text,
@@ -239,7 +254,9 @@ class EngineReplica:
                     delta.prompt_tokens = prompt_tokens
                     delta.completion_tokens = completion
                     delta.num_cached_tokens = cached
-                    delta.hold = Hold.from_params(out.kv_transfer_params)
+                    hold = Hold.from_params(out.kv_transfer_params)
+                    if hold is not None:
+                        delta.hold = hold.sealed(self._hold_key, list(out.prompt_token_ids or ()) + output_ids)
                     delta.ran_alone = alone and first_token_at is not None
                     if delta.ran_alone and completion > 1 and not self.load.started_since(started_as):
                         delta.decode_step_s = (now - first_token_at) / (completion - 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,11 @@ def autoscaling_config(pool: PoolConfig) -> AutoscalingConfig | None:
     )
 
 
-def engine_deployment(name: str, pool: PoolConfig, directory: Application, config: AppConfig) -> Application:
-    """A deployment of identical engine replicas, routed to the replica each plan names."""
+def engine_deployment(
+    name: str, pool: PoolConfig, directory: Application, config: AppConfig, hold_key: str
+) -> Application:
+    """A deployment of identical engine replicas, routed to the replica each plan names; `hold_key` seals the holds
+    they export and checks those they read (one key per app)."""
     scaling = autoscaling_config(pool)
     size: dict[str, Any] = {"num_replicas": pool.num_replicas} if scaling is None else {"autoscaling_config": scaling}
     deployment = serve.deployment(
@@ -68,7 +72,7 @@ def engine_deployment(name: str, pool: PoolConfig, directory: Application, confi
         graceful_shutdown_timeout_s=30,
         logging_config=logging_config(config, internal=True),
     )
-    return deployment.bind(pool.engine.model_dump(), directory, log_level=config.log_level)
+    return deployment.bind(pool.engine.model_dump(), directory, log_level=config.log_level, hold_key=hold_key)
 
 
 def directory_deployment(config: AppConfig) -> Application:
@@ -105,7 +109,9 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         if pool is not None:
             check_user_model(pool)
     directory = directory_deployment(config)
-    pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool, directory, config)}
+    # Replicas read only holds sealed with this key: a hold a client, a bug or another app forged is never read.
+    hold_key = secrets.token_hex(16)
+    pools: dict[str, Application] = {"engines": engine_deployment("engines", config.pool, directory, config, hold_key)}
     if config.decode_pool is not None:
         decode = config.decode_pool
         if decode.engine.cpu_core_offset == config.pool.engine.cpu_core_offset:
@@ -114,7 +120,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             decode = decode.model_copy(
                 update={"engine": decode.engine.model_copy(update={"cpu_core_offset": shifted})}
             )
-        pools["decode_engines"] = engine_deployment("decode_engines", decode, directory, config)
+        pools["decode_engines"] = engine_deployment("decode_engines", decode, directory, config, hold_key)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": config.ingress_num_cpus},
                                logging_config=logging_config(config, internal=False))
     return ingress.bind(config.model_dump(), directory, **pools)

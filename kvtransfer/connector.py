@@ -69,6 +69,10 @@ def export_params() -> dict[str, Any]:
     return {"do_remote_decode": True}
 
 
+# With kv_load_failure_policy "fail", a failed pull ends the request at once with this finish reason (a replica that
+# refuses to read a hold answers the same way).
+LOAD_FAILED = "error"
+
+
 def is_load_failure(finish_reason: str | None) -> bool:
-    """With kv_load_failure_policy "fail", a failed pull ends the request at once with this reason."""
-    return finish_reason == "error"
+    return finish_reason == LOAD_FAILED

@@ -8,7 +8,11 @@ here imports anything of ours, so `actors/` and the pure planner both depend on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import hmac
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
 HoldingKind = Literal["hold", "resident"]
@@ -17,6 +21,11 @@ HoldingKind = Literal["hold", "resident"]
 _REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
 _FLAGS = ("do_remote_prefill", "do_remote_decode")
 _TYPED = (*_REQUIRED, "remote_request_id", "remote_blocks_expiry_time")
+
+
+def token_digest(token_ids: Sequence[int]) -> str:
+    """A digest of token ids: equal digests mean the same tokens in the same order."""
+    return hashlib.blake2b(b"".join(t.to_bytes(4, "little") for t in token_ids), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +44,11 @@ class Hold:
     expiry_time: float | None = None  # the holder's perf_counter deadline, if it sent one (remote_blocks_expiry_time)
     # The other fields vLLM sent (parallel sizes, transfer mode), handed back to it unchanged.
     extra: dict[str, Any] = field(default_factory=dict)
+    # Which tokens the blocks hold (`token_digest` of the first `num_tokens`), and the holder's seal over every
+    # field: vLLM's connector reads whatever blocks a hold names and checks no token, so a replica reads a hold only
+    # if a replica of its app sealed it (`authentic`) for exactly the tokens its prompt starts with (`covers`).
+    digest: str | None = None
+    seal: str | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> Hold | None:
@@ -51,6 +65,25 @@ class Hold:
             expiry_time=params.get("remote_blocks_expiry_time"),
             extra={k: v for k, v in params.items() if k not in _TYPED and k not in _FLAGS},
         )
+
+    def sealed(self, key: bytes, token_ids: Sequence[int]) -> Hold:
+        """This hold, as its holder vouches for it: `token_ids` are the request's prompt and output."""
+        unsealed = replace(self, digest=token_digest(token_ids[: self.num_tokens]), seal=None)
+        return replace(unsealed, seal=unsealed._mac(key))
+
+    def authentic(self, key: bytes) -> bool:
+        """Whether a replica holding `key` sealed this very hold (no field changed since)."""
+        return self.seal is not None and self.digest is not None and hmac.compare_digest(self.seal, self._mac(key))
+
+    def covers(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the held tokens are exactly the first `num_tokens` of this prompt."""
+        return (self.digest is not None and len(prompt_token_ids) >= self.num_tokens
+                and hmac.compare_digest(self.digest, token_digest(prompt_token_ids[: self.num_tokens])))
+
+    def _mac(self, key: bytes) -> str:
+        fields = [self.engine_id, self.host, self.port, self.block_ids, self.num_tokens, self.request_id,
+                  self.expiry_time, self.extra, self.digest]
+        return hmac.new(key, json.dumps(fields, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
     def pull_params(self) -> dict[str, Any]:
         """Params for a turn on another engine that reads this hold's tokens (and leaves a hold of its own)."""

@@ -202,5 +202,5 @@ def tiny_app(serve_port) -> Iterator[ServedApp]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run `serve run` first: it starts its own Ray cluster, which fails to come up beside the session's."""
-    items.sort(key=lambda item: 0 if item.path.name == "test_serve_run.py" else 1)
+    """Run the `serve run` tests first: each starts its own Ray cluster, which fails to come up beside the session's."""
+    items.sort(key=lambda item: 0 if item.path.name.startswith("test_serve_run") else 1)

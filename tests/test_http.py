@@ -135,6 +135,9 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({**GOOD, "stop": ""}, 400, "stop"),
         ({**GOOD, "min_tokens": 5}, 400, "min_tokens"),
         ({**GOOD, "seed": 2**70}, 400, "seed"),
+        # Shapes vLLM's own validators trip over with a TypeError (found by benchmarks/fuzz.py).
+        ({**GOOD, "messages": None}, 400, "malformed"),
+        ({**GOOD, "structured_outputs": 5}, 400, "malformed"),
     ],
 )
 def test_bad_requests_get_openai_style_4xx(tiny_app, body, status, needle):

@@ -10,6 +10,9 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from dataclasses import replace
+
+import pytest
 
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, Sampling
@@ -74,34 +77,73 @@ def test_edited_history_is_recomputed_and_still_right(tiny_app):
     assert answer.token_ids == reference.token_ids
 
 
+KEY = "test-hold-key"  # what the app's builder gives every replica of one app
+
+
+def direct_replica(model: str, core: int, hold_key: str = KEY) -> EngineReplica:
+    return EngineReplica(EngineConfig(
+        model=model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * 1024**2,
+        nixl=NixlSettings(enforce_handshake_compat=False), cpu_core_offset=core), hold_key=hold_key)
+
+
+def generate(loop_thread, replica: EngineReplica, ids: list[int], pull=None, own_kv_only=False):
+    req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, params=Sampling(**GREEDY).to_params(),
+                          pull=pull, export_hold=not own_kv_only, skip_prefix_cache=own_kv_only)
+    return loop_thread.run(collect(replica.generate(req)))
+
+
 def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
     """A holder with other weights (handshake checks off) changes the puller's output: the KV moved."""
-    def replica(model: str, core: int) -> EngineReplica:
-        return EngineReplica(EngineConfig(
-            model=model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * 1024**2,
-            nixl=NixlSettings(enforce_handshake_compat=False), cpu_core_offset=core))
-
-    holder, puller = replica("tiny-llama-alt", 0), replica("tiny-llama", 1)
+    holder, puller = direct_replica("tiny-llama-alt", 0), direct_replica("tiny-llama", 1)
     try:
         rng = random.Random(5)
         prompt = user_tokens(rng, 200)
-
-        def generate(r: EngineReplica, ids: list[int], pull=None, own_kv_only=False):
-            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
-                                  params=Sampling(**GREEDY).to_params(), pull=pull, export_hold=not own_kv_only,
-                                  skip_prefix_cache=own_kv_only)
-            return loop_thread.run(collect(r.generate(req)))
-
-        turn1 = generate(holder, prompt)
+        turn1 = generate(loop_thread, holder, prompt)
         hold = turn1[-1].hold
         out1 = [t for d in turn1 for t in d.token_ids]
         assert hold.num_tokens == len(prompt) + len(out1) - 1
         follow_up = prompt + out1 + user_tokens(rng, 20)
-        pulled = generate(puller, follow_up, pull=hold)
+        pulled = generate(loop_thread, puller, follow_up, pull=hold)
         # The puller's prefix cache now holds the pulled blocks: compute its own answer from scratch.
-        own = generate(puller, follow_up, own_kv_only=True)
+        own = generate(loop_thread, puller, follow_up, own_kv_only=True)
         assert pulled[-1].num_cached_tokens == hold.num_tokens
         assert [t for d in pulled for t in d.token_ids] != [t for d in own for t in d.token_ids]
+    finally:
+        holder.engine.shutdown()
+        puller.engine.shutdown()
+
+
+def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_thread):
+    """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, a seal
+    from another app, or tokens that differ from the prompt's is refused before any read (a failed pull, which the
+    turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read."""
+    from actors.replica_api import HoldRelease, InvalidRequestError
+
+    holder, puller = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
+    try:
+        rng = random.Random(9)
+        prompt = user_tokens(rng, 200)
+        turn1 = generate(loop_thread, holder, prompt)
+        hold = turn1[-1].hold
+        follow_up = prompt + [t for d in turn1 for t in d.token_ids] + user_tokens(rng, 20)
+        edited = list(follow_up)
+        edited[50] = edited[50] + 1  # one token of the held history differs
+        forged = {
+            "other blocks": replace(hold, block_ids=[[b + 1 for b in group] for group in hold.block_ids]),
+            "another engine": replace(hold, engine_id=puller.engine_id),
+            "unsealed": replace(hold, seal=None),
+            "another app's key": hold.sealed(b"another-app", follow_up),
+        }
+        for name, bad in forged.items():
+            refused = generate(loop_thread, puller, follow_up, pull=bad)
+            assert len(refused) == 1 and refused[0].finish_reason == "error" and not refused[0].token_ids, name
+        refused = generate(loop_thread, puller, edited, pull=hold)
+        assert refused[0].finish_reason == "error" and not refused[0].token_ids
+        with pytest.raises(InvalidRequestError):
+            loop_thread.run(puller.release_hold(HoldRelease(hold=forged["other blocks"], target_replica="x")))
+        # Nothing was read: the genuine hold is still whole and pulls every token it holds.
+        pulled = generate(loop_thread, puller, follow_up, pull=hold)
+        assert pulled[-1].finish_reason != "error" and pulled[-1].num_cached_tokens == hold.num_tokens
     finally:
         holder.engine.shutdown()
         puller.engine.shutdown()

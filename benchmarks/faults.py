@@ -1,0 +1,258 @@
+"""Scripted faults under a multi-turn load: does every turn still get the right answer, how long does the app take to
+recover, and is any engine process left behind?
+
+    python -m benchmarks.faults --out benchmarks/results/faults.json [--reps 3]
+
+A tiny-llama app (two replicas, fp32, greedy, so every answer can be checked token for token) serves background
+conversations from two client threads for the whole run, while each fault is played `--reps` times on a
+conversation of its own: its first turn runs, the fault strikes, its next turn runs, and that turn's tokens are
+compared with a recompute of the same history on a live replica. The faults:
+
+- `holder_killed_between_turns`: SIGKILL of the process tree of the replica holding the conversation's KV;
+- `serving_replica_killed_mid_stream`: the same for the replica streaming the turn, after its 10th token (HTTP);
+- `directory_killed`: SIGKILL of the KV directory's replica (Serve restarts it empty; replicas re-report);
+- `ingress_killed`: SIGKILL of the ingress replica; the client retries as OpenAI's SDK does (HTTP, 1-8 s apart);
+- `holder_stopped_during_pull`: the holder's processes SIGSTOPped while another replica pulls from it, resumed 3 s on;
+- `pull_at_the_end_of_the_offer`: the pull sent just before the directory stops offering the hold (its lease ends
+  `expiry_margin_s` later).
+
+A turn has failed if the client got no answer (for HTTP: none within 90 s of retries); recovery is the time from
+the fault until both replicas (and for the ingress fault, HTTP) answer again. Leaked processes are vLLM engine
+processes still alive 15 s after the app is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from actors.replica_api import Sampling
+from benchmarks.common import BenchApp, start_app, stop_app
+
+MODEL = "tiny-llama"
+HOLD_TTL_S = 12.0
+GREEDY = Sampling(max_tokens=48, temperature=0.0, ignore_eos=True)
+LONG_STREAM = 300  # tokens of the turn whose replica is killed mid-stream
+FAULTS = ("holder_killed_between_turns", "serving_replica_killed_mid_stream", "directory_killed", "ingress_killed",
+          "holder_stopped_during_pull", "pull_at_the_end_of_the_offer")
+
+
+def engine_processes() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("VLLM::")}
+
+
+def serve_replica_processes(deployment: str) -> list[psutil.Process]:
+    """The processes of one of the app's Serve deployments (by the name Ray gives its replica actors)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        if f"ServeReplica:bench:{deployment}" in cmdline:
+            found.append(proc)
+    return found
+
+
+def replica_tree(app: BenchApp, replica_id: str) -> list[psutil.Process]:
+    """A replica's actor process and the engine processes it started."""
+    for _ in range(60):  # Serve sends each call to either replica
+        identity = app.engines.identity.remote().result(timeout_s=30)
+        if identity.replica_id == replica_id:
+            replica = psutil.Process(identity.pid)
+            return replica.children(recursive=True) + [replica]
+    raise RuntimeError(f"replica {replica_id} did not answer")
+
+
+def kill(processes: list[psutil.Process]) -> None:
+    for proc in processes:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=30)
+
+
+class Campaign:
+    def __init__(self, app: BenchApp, reps: int) -> None:
+        self.app = app
+        self.reps = reps
+        self.rng = random.Random(7)
+        self.url = app.base_url  # Serve's proxy: it stays up while an ingress replica restarts
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(100, self.app.vocab_size) for _ in range(n)]
+
+    def live(self, count: int = 2, timeout_s: float = 300) -> list[str]:
+        return self.app.replica_ids(count, timeout_s)
+
+    def turn(self, history: list[int], force: tuple[str, str] | None = None, sampling: Sampling = GREEDY):
+        return self.app.ingress.turn.remote(history, sampling, force).result(timeout_s=300)
+
+    def reference(self, history: list[int], tokens: int = GREEDY.max_tokens) -> list[int]:
+        target = self.live(1)[0]
+        sampling = GREEDY.model_copy(update={"max_tokens": tokens})
+        return self.turn(history, ("recompute", target), sampling).token_ids
+
+    def http_turn(self, history: list[int], tokens: int, on_token: Callable[[int, str], None] | None = None,
+                  deadline_s: float = 90) -> list[int] | None:
+        """A streamed completion on token ids, retried as OpenAI's SDK retries (connection errors, 5xx, 429);
+        the tokens it streamed, or None if no answer came within `deadline_s`."""
+        body = {"model": MODEL, "prompt": history, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+        give_up, wait = time.monotonic() + deadline_s, 1.0
+        while time.monotonic() < give_up:
+            try:
+                with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as resp:
+                    if resp.status_code >= 500 or resp.status_code == 429:
+                        raise httpx.HTTPStatusError("retryable", request=resp.request, response=resp)
+                    resp.raise_for_status()
+                    replica = json.loads(resp.headers["x-kvrelay-plan"])["replica"]
+                    streamed: list[int] = []
+                    for line in resp.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line.removeprefix("data: "))
+                        if "error" in event:
+                            raise RuntimeError(event["error"]["message"])
+                        for choice in event.get("choices", []):
+                            for token in choice["logprobs"]["tokens"]:
+                                streamed.append(int(token.removeprefix("token_id:")))
+                                if on_token is not None:
+                                    on_token(len(streamed), replica)
+                    return streamed
+            except (httpx.HTTPError, RuntimeError, KeyError):
+                time.sleep(wait)
+                wait = min(wait * 2, 8.0)
+        return None
+
+    # ------------------------------------------------------------------------------ one fault
+
+    def play(self, fault: str) -> dict[str, Any]:
+        history = self.tokens(300)
+        first = self.turn(history)
+        holder = first.kvrelay.replica
+        history = history + first.token_ids + self.tokens(24)
+        other = next(r for r in self.live() if r != holder)
+        struck = time.monotonic()
+        tokens = GREEDY.max_tokens
+        answer: list[int] | None
+        if fault == "holder_killed_between_turns":
+            kill(replica_tree(self.app, holder))
+            answer = self.turn(history).token_ids
+        elif fault == "serving_replica_killed_mid_stream":
+            tokens = LONG_STREAM
+            killed: list[str] = []
+
+            def strike(count: int, replica: str) -> None:
+                if count >= 10 and not killed:
+                    killed.append(replica)
+                    kill(replica_tree(self.app, replica))
+            struck = time.monotonic()
+            answer = self.http_turn(history, tokens, strike)
+        elif fault == "directory_killed":
+            kill(serve_replica_processes("kv_directory"))
+            answer = self.turn(history).token_ids
+        elif fault == "ingress_killed":
+            kill(serve_replica_processes("ingress"))
+            answer = self.http_turn(history, tokens)
+        elif fault == "holder_stopped_during_pull":
+            stopped = replica_tree(self.app, holder)
+            for proc in stopped:
+                proc.send_signal(signal.SIGSTOP)
+            resume = threading.Timer(3.0, lambda: [p.send_signal(signal.SIGCONT) for p in stopped])
+            resume.start()
+            try:
+                answer = self.turn(history, ("pull", other)).token_ids
+            finally:
+                resume.join()
+        elif fault == "pull_at_the_end_of_the_offer":
+            margin = min(10.0, 0.3 * HOLD_TTL_S)  # the directory's expiry margin (app/builder.py)
+            time.sleep(max(0.0, HOLD_TTL_S - margin - 0.5 - (time.monotonic() - struck)))
+            answer = self.turn(history, ("pull", other)).token_ids
+        else:
+            raise ValueError(fault)
+        self.live(2)
+        if fault == "ingress_killed":
+            self.http_turn(self.tokens(8), 1)
+        recovery_s = time.monotonic() - struck
+        reference = self.reference(history, tokens)
+        return {"fault": fault, "failed": answer is None, "wrong": answer is not None and answer != reference,
+                "recovery_s": round(recovery_s, 1)}
+
+    def run(self) -> dict[str, Any]:
+        stop = threading.Event()
+        background = Counter()
+
+        def converse() -> None:
+            history = self.tokens(200)
+            while not stop.is_set():
+                try:
+                    result = self.turn(history)
+                    history = history + result.token_ids + self.tokens(16)
+                    background["turns"] += 1
+                    if len(history) > 1500:
+                        history = self.tokens(200)
+                except Exception:
+                    background["failed"] += 1
+                    time.sleep(1.0)
+
+        threads = [threading.Thread(target=converse, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        rows = []
+        try:
+            for rep in range(self.reps):
+                for fault in FAULTS:
+                    rows.append({"rep": rep, **self.play(fault)})
+                    print(json.dumps(rows[-1]), flush=True)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+        summary = {}
+        for fault in FAULTS:
+            mine = [r for r in rows if r["fault"] == fault]
+            summary[fault] = {"runs": len(mine), "failed_turns": sum(r["failed"] for r in mine),
+                              "wrong_turns": sum(r["wrong"] for r in mine),
+                              "recovery_s_max": max(r["recovery_s"] for r in mine)}
+        return {"faults": summary, "runs": rows, "background_turns": background["turns"],
+                "background_failed_turns": background["failed"],
+                "failed_turns": sum(r["failed"] for r in rows) + background["failed"],
+                "wrong_turns": sum(r["wrong"] for r in rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    before = engine_processes()
+    app = start_app(MODEL, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=64 * 1024**2,
+                    nixl={"hold_ttl_s": HOLD_TTL_S})
+    try:
+        app.ingress.calibrated.remote().result(timeout_s=300)
+        figures = Campaign(app, args.reps).run()
+    finally:
+        stop_app(app)
+    time.sleep(15)
+    leaked = sorted(engine_processes() - before)
+    figures["leaked_processes"] = len(leaked)
+    for pid in leaked:  # ours: started by this run's app
+        os.kill(pid, signal.SIGKILL)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in figures.items() if k != "runs"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

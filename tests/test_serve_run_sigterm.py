@@ -1,0 +1,79 @@
+"""SIGTERM to `serve run` alone (what a supervisor or `kill PID` sends) in each Serve mode the app runs in: the app
+shuts down and no process of its session is left, vLLM's engines included. Runs before the session's own Ray
+cluster starts (see conftest), as `test_serve_run.py` does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.common import free_port, free_port_range
+from tests.conftest import REPO_ROOT
+from tests.test_serve_run import session_processes
+
+CONFIG = """\
+http_options: {{host: 127.0.0.1, port: {port}}}
+applications:
+  - name: sigterm
+    route_prefix: /
+    import_path: app.builder:build_app
+    args:
+      log_level: WARNING
+      pool:
+        num_replicas: 1
+        engine: {{model: tiny-llama, dtype: float32, max_model_len: 1024, kv_cache_memory_bytes: 67108864}}
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "throughput_optimized"])
+def test_sigterm_to_serve_run_leaves_no_process_behind(mode, tmp_path):
+    port = free_port()
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(CONFIG.format(port=port))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    if mode == "throughput_optimized":
+        first = free_port_range(4)
+        env |= {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 3)}
+    log = tmp_path / "serve_run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "--address", "local", str(config)],
+                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json().get("replicas") == 1:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail("serve run did not become healthy:\n" + log.read_text()[-3000:])
+        deadline = time.monotonic() + 30
+        while True:
+            started = session_processes(proc.pid).values()
+            if any("VLLM::EngineCore" in cmd for cmd in started):
+                break
+            assert time.monotonic() < deadline, sorted(cmd[:60] for cmd in started)
+            time.sleep(1)
+        proc.send_signal(signal.SIGTERM)  # to serve run alone, not its process group
+        proc.wait(90)
+        deadline = time.monotonic() + 10
+        while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, left
+    finally:
+        if proc.poll() is None or session_processes(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
