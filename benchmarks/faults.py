@@ -64,13 +64,18 @@ def serve_replica_processes(deployment: str) -> list[psutil.Process]:
 
 
 def replica_tree(app: BenchApp, replica_id: str) -> list[psutil.Process]:
-    """A replica's actor process and the engine processes it started."""
-    for _ in range(60):  # Serve sends each call to either replica
-        identity = app.engines.identity.remote().result(timeout_s=30)
-        if identity.replica_id == replica_id:
-            replica = psutil.Process(identity.pid)
+    """A replica's actor process and the engine processes it started (its pid as it reported to the directory)."""
+    from ray import serve
+
+    directory = serve.get_deployment_handle("kv_directory", app_name="bench")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = [i for i in directory.replica_identities.remote().result(timeout_s=30) if i.replica_id == replica_id]
+        if found:
+            replica = psutil.Process(found[0].pid)
             return replica.children(recursive=True) + [replica]
-    raise RuntimeError(f"replica {replica_id} did not answer")
+        time.sleep(0.5)  # a restarted directory waits for the replica's next heartbeat
+    raise RuntimeError(f"replica {replica_id} is not registered")
 
 
 def kill(processes: list[psutil.Process]) -> None:
@@ -92,8 +97,14 @@ class Campaign:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(100, self.app.vocab_size) for _ in range(n)]
 
-    def live(self, count: int = 2, timeout_s: float = 300) -> list[str]:
-        return self.app.replica_ids(count, timeout_s)
+    def live(self, count: int = 2, timeout_s: float = 300, without: str | None = None) -> list[str]:
+        """Ids of `count` live replicas (none of them `without`, a replica that was killed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ids = [r for r in self.app.replica_ids(count, timeout_s) if r != without]
+            if len(ids) >= count or time.monotonic() > deadline:
+                return ids
+            time.sleep(0.5)
 
     def turn(self, history: list[int], force: tuple[str, str] | None = None, sampling: Sampling = GREEDY):
         return self.app.ingress.turn.remote(history, sampling, force).result(timeout_s=300)
@@ -145,13 +156,14 @@ class Campaign:
         other = next(r for r in self.live() if r != holder)
         struck = time.monotonic()
         tokens = GREEDY.max_tokens
+        killed: list[str] = []  # the engine replica a fault killed: recovered once another has taken its place
         answer: list[int] | None
         if fault == "holder_killed_between_turns":
+            killed.append(holder)
             kill(replica_tree(self.app, holder))
             answer = self.turn(history).token_ids
         elif fault == "serving_replica_killed_mid_stream":
             tokens = LONG_STREAM
-            killed: list[str] = []
 
             def strike(count: int, replica: str) -> None:
                 if count >= 10 and not killed:
@@ -181,7 +193,7 @@ class Campaign:
             answer = self.turn(history, ("pull", other)).token_ids
         else:
             raise ValueError(fault)
-        self.live(2)
+        self.live(2, without=killed[0] if killed else None)
         if fault == "ingress_killed":
             self.http_turn(self.tokens(8), 1)
         recovery_s = time.monotonic() - struck

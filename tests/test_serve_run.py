@@ -27,6 +27,20 @@ def make_serve_env() -> dict[str, str]:
     return dict(item.split("=", 1) for item in line.replace("\\", " ").split())
 
 
+def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replicas: int, timeout_s: float) -> None:
+    """Until `serve run` (`proc`, printing to `log`) answers /health with `replicas` engine replicas reporting."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).json().get("replicas") == replicas:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(2)
+    pytest.fail(f"serve run did not become healthy in {timeout_s:.0f} s:\n" + log.read_text()[-3000:])
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve_run") / "serve_run.log"
@@ -39,18 +53,8 @@ def served(tmp_path_factory):
         proc = subprocess.Popen([str(serve_bin), "run", "--address", "local", "serve_config.yaml"], cwd=REPO_ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                # Both replicas up: each engine reports once it has started, not necessarily together.
-                if httpx.get(f"{BASE}/health", timeout=5).json().get("replicas") == 2:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("serve run did not become healthy in 900 s:\n" + log.read_text()[-3000:])
+        # Both replicas up: each engine reports once it has started, not necessarily together.
+        wait_until_healthy(proc, log, BASE, replicas=2, timeout_s=900)
         yield proc, log
     finally:
         try:

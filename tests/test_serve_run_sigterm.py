@@ -11,12 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from benchmarks.common import free_port, free_port_range
 from tests.conftest import REPO_ROOT
-from tests.test_serve_run import session_processes
+from tests.test_serve_run import session_processes, wait_until_healthy
 
 CONFIG = """\
 http_options: {{host: 127.0.0.1, port: {port}}}
@@ -49,17 +48,7 @@ def test_sigterm_to_serve_run_leaves_no_process_behind(mode, tmp_path):
         proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "--address", "local", str(config)],
                                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json().get("replicas") == 1:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("serve run did not become healthy:\n" + log.read_text()[-3000:])
+        wait_until_healthy(proc, log, f"http://127.0.0.1:{port}", replicas=1, timeout_s=600)
         deadline = time.monotonic() + 30
         while True:
             started = session_processes(proc.pid).values()
