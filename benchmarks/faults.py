@@ -16,7 +16,8 @@ compared with a recompute of the same history on a live replica. The faults:
 - `pull_at_the_end_of_the_offer`: the pull sent just before the directory stops offering the hold (its lease ends
   `expiry_margin_s` later).
 
-A turn has failed if the client got no answer (for HTTP: none within 90 s of retries); recovery is the time from
+A turn has failed if the client got no answer after its retries (HTTP: for 90 s; the background clients of the Python
+handle API: twice, as OpenAI's SDK retries); recovery is the time from
 the fault until both replicas (and for the ingress fault, HTTP) answer again. Leaked processes are vLLM engine
 processes still alive 15 s after the app is shut down.
 """
@@ -206,17 +207,23 @@ class Campaign:
         background = Counter()
 
         def converse() -> None:
+            """A client of the Python handle API that retries a failed call twice, 1 and 2 s later (as OpenAI's SDK
+            retries): a call in flight on an ingress replica that dies is lost with it."""
             history = self.tokens(200)
             while not stop.is_set():
-                try:
-                    result = self.turn(history)
-                    history = history + result.token_ids + self.tokens(16)
-                    background["turns"] += 1
-                    if len(history) > 1500:
-                        history = self.tokens(200)
-                except Exception:
-                    background["failed"] += 1
-                    time.sleep(1.0)
+                for attempt in range(3):
+                    try:
+                        result = self.turn(history)
+                        break
+                    except Exception:
+                        background["retried" if attempt < 2 else "failed"] += 1
+                        time.sleep(attempt + 1)
+                else:
+                    continue
+                history = history + result.token_ids + self.tokens(16)
+                background["turns"] += 1
+                if len(history) > 1500:
+                    history = self.tokens(200)
 
         threads = [threading.Thread(target=converse, daemon=True) for _ in range(2)]
         for t in threads:
@@ -238,7 +245,7 @@ class Campaign:
                               "wrong_turns": sum(r["wrong"] for r in mine),
                               "recovery_s_max": max(r["recovery_s"] for r in mine)}
         return {"faults": summary, "runs": rows, "background_turns": background["turns"],
-                "background_failed_turns": background["failed"],
+                "background_failed_turns": background["failed"], "background_retries": background["retried"],
                 "failed_turns": sum(r["failed"] for r in rows) + background["failed"],
                 "wrong_turns": sum(r["wrong"] for r in rows)}
 
