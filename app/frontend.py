@@ -249,8 +249,9 @@ class Frontend:
             if request.return_tokens_as_token_ids:
                 tokens_as_ids(choice.logprobs, merged(deltas).logprobs)
             choice.prompt_logprobs = clamp_prompt_logprobs(deltas[0].prompt_logprobs)
-            if request.return_token_ids:
+            if request.return_token_ids:  # vLLM's render-path derenderer leaves both out; its server sends them
                 choice.prompt_token_ids = list(r.token_ids)
+                choice.token_ids = merged(deltas).token_ids
         return CompletionResponse(id=rendered[0].request_id, model=self.served_name, created=int(time.time()),
                                   choices=choices, usage=usage(outputs))
 
@@ -281,6 +282,7 @@ class Frontend:
         """One choice's completion stream chunks, each with the delta it came from."""
         state: DerenderStreamState | None = None
         echo = self._prompt_texts(request, [rendered])[0] if request.echo else ""
+        first = True
         async for delta in deltas:
             chunk, state = await self.derenderer.derender_completion_stream(
                 self.served_name, self._stream_chunk(rendered, delta, index), state,
@@ -291,6 +293,9 @@ class Frontend:
                 chunk.choices[0].text, echo = echo + chunk.choices[0].text, ""
             if request.return_tokens_as_token_ids and chunk.choices:
                 tokens_as_ids(chunk.choices[0].logprobs, delta.logprobs)
+            if request.return_token_ids and chunk.choices:  # as vLLM's server: the prompt's ids in the first chunk
+                chunk.choices[0].token_ids = list(delta.token_ids)
+                chunk.choices[0].prompt_token_ids, first = (list(rendered.token_ids) if first else None), False
             yield chunk, delta
 
     @staticmethod

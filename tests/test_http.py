@@ -325,12 +325,20 @@ def test_the_readme_table_covers_every_request_field_vllm_accepts():
 
 
 def test_a_prompt_of_token_ids_streams_and_answers(tiny_app):
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
     whole = post(tiny_app, "/v1/completions", json=body)
     assert whole.status_code == 200, whole.text
     assert whole.json()["usage"]["prompt_tokens"] == 5 and whole.json()["usage"]["completion_tokens"] == 3
+    choice = whole.json()["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7, 8, 9] and len(choice["token_ids"]) == 3
     with httpx.stream("POST", f"{tiny_app.base_url}/v1/completions", json={**body, "stream": True},
                       headers=tiny_app.headers, timeout=60) as resp:
         assert resp.status_code == 200
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and "error" not in "".join(events)
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
+    assert streamed[0]["prompt_token_ids"] == [5, 6, 7, 8, 9]
+    assert all(c["prompt_token_ids"] is None for c in streamed[1:])
