@@ -58,7 +58,11 @@ class ChangeLog:
     Not thread-safe: the directory actor's event loop owns it. `append` never awaits.
     """
 
-    def __init__(self, limit: int = 100_000) -> None:
+    # Mirrors long-poll without pause, so the log only has to cover a mirror's brief lag; one that falls further
+    # behind starts over from a snapshot. With room for 100,000 updates (a hold carries its prefix's block hashes, a
+    # few KB) the directory grew by about 5 MiB a minute under `benchmarks.soak`'s load, and would have for about an
+    # hour more before the log was full.
+    def __init__(self, limit: int = 10_000) -> None:
         self.seq = 0
         self._entries: deque[tuple[int, tuple]] = deque(maxlen=limit)
         self._next: asyncio.Future | None = None
