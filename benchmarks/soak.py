@@ -71,6 +71,22 @@ def growth_pct(values: list[float]) -> float | None:
     return round(100 * slope * (n - 1) / mean_y, 2) if mean_y else None
 
 
+def growth_by_series(samples: list[dict[str, Any]]) -> dict[str, float | None]:
+    """growth_pct of each process kind's RSS, of their total, and of the directory's bytes over `samples`."""
+    kinds = sorted({k for s in samples for k in s["rss_mib"]})
+    growth = {f"rss_{k}": growth_pct([s["rss_mib"].get(k, 0.0) for s in samples]) for k in kinds}
+    growth["rss_total"] = growth_pct([sum(s["rss_mib"].values()) for s in samples])
+    growth["directory_bytes"] = growth_pct([float(s["directory_bytes"]) for s in samples])
+    return growth
+
+
+def growth_figures(samples: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Growth after a warm-up of a fifth of the run, and over its second half: a cache that fills once (vLLM's
+    prefix cache reaching its size, the directory following it) is a step inside the first, not in the second."""
+    return {"growth_pct_after_warmup": growth_by_series(samples[max(1, len(samples) // 5):]),
+            "growth_pct_second_half": growth_by_series(samples[len(samples) // 2:])}
+
+
 def soak(app: BenchApp, minutes: float, clients: int) -> dict[str, Any]:
     stop = threading.Event()
     counts: Counter = Counter()
@@ -122,13 +138,8 @@ def soak(app: BenchApp, minutes: float, clients: int) -> dict[str, Any]:
         stop.set()
         for t in threads:
             t.join(timeout=150)
-    settled = samples[max(1, len(samples) // 5):]
-    kinds = sorted({k for s in settled for k in s["rss_mib"]})
-    growth = {f"rss_{k}": growth_pct([s["rss_mib"].get(k, 0.0) for s in settled]) for k in kinds}
-    growth["rss_total"] = growth_pct([sum(s["rss_mib"].values()) for s in settled])
-    growth["directory_bytes"] = growth_pct([float(s["directory_bytes"]) for s in settled])
     return {"minutes": minutes, "clients": clients, "model": app.model, "turns": counts["turns"],
-            "errors": counts["errors"], "growth_pct_after_warmup": growth, "samples": samples}
+            "errors": counts["errors"], **growth_figures(samples), "samples": samples}
 
 
 def main() -> None:
