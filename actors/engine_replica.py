@@ -209,6 +209,10 @@ class EngineReplica:
             yield GenerateDelta(token_ids=[], text="", finished=True, finish_reason=LOAD_FAILED,
                                 replica_id=self.replica_id)
             return
+        if request.pull is not None and request.pull.engine_id == self.engine_id:
+            # Planned for another replica, the turn came here (Serve did not route to that one yet, or any more):
+            # the held KV is this engine's own and its prefix cache serves it; NIXL cannot read from itself.
+            request = request.model_copy(update={"pull": None})
         params = self._sampling_params(request)
         prompt: Any = (
             TokensPrompt(prompt_token_ids=request.prompt_token_ids)

@@ -93,14 +93,16 @@ class TurnResult(BaseModel):
 
 
 def caused_by(exc: BaseException | None, *kinds: type[BaseException]) -> BaseException | None:
-    """The first exception of `kinds` in `exc`'s chain of causes (Ray and Serve wrap a replica's errors on the way
-    back: `RayTaskError.cause`, `__cause__`), else None."""
+    """The exception of `kinds` in `exc`'s chain of causes (Ray and Serve wrap a replica's errors on the way
+    back: `RayTaskError.cause`, `__cause__`), else None. Ray's wrapper is itself an instance of its cause's class,
+    and its text is a remote traceback: of a run of matches, the innermost (the error as raised) is returned."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, kinds):
+        inner = getattr(exc, "cause", None) or exc.__cause__
+        if isinstance(exc, kinds) and not isinstance(inner, kinds):
             return exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
+        exc = inner
     return None
 
 

@@ -320,8 +320,10 @@ class TurnRunner:
         return self.cost.expected_output_tokens(turn.params.max_tokens or 1)
 
     def _leaves_holds(self, turn: Turn) -> bool:
-        """Whether the turn's requests export a hold: only policies that pull need them."""
-        return turn.policy.pulls
+        """Whether the turn's requests export a hold: only policies that pull need them, and only where another
+        replica could pull it. A lone replica's hold would pin its KV blocks until the lease ends, for nobody (no
+        other replica can release it either): under load they filled the cache and stalled every new request."""
+        return turn.policy.pulls and len(self.replicas()) > 1
 
     async def _take_hold(self, turn: Turn, plan: Plan) -> Hold | None:
         """The planned hold, taken from the directory; None if it is gone (another turn took it, it expired)."""

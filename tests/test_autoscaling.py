@@ -1,8 +1,10 @@
-"""Autoscaling engine replicas on queue depth, KV cache usage and TTFT: up under load, down when idle, no failures."""
+"""Autoscaling engine replicas on queue depth, KV cache usage and TTFT: down under a light multi-turn load with
+holds on the leaving replica, up on TTFT alone, no failed turn."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from types import SimpleNamespace
 
@@ -44,6 +46,14 @@ def test_impossible_autoscaling_config_is_refused_before_anything_starts():
         AppConfig.model_validate({"pool": {"num_replicas": 5, "autoscaling": {"max_replicas": 2}}})
 
 
+# The pool starts at one replica and may grow to two. The targets leave the TTFT signal alone to decide:
+# ongoing requests stay far below theirs (Serve's default policy, which counts only those, would never grow the
+# pool here) and the KV cache can never exceed a usage of 1. A short multi-turn turn on this machine starts in
+# tens of milliseconds (well under half the target), a long uncached prompt queued behind five others in hundreds.
+TTFT_TARGET_MS = 200
+MAX_TOKENS = 16
+
+
 @pytest.fixture(scope="module")
 def scaling_app(serve_port):
     from ray import serve
@@ -51,8 +61,9 @@ def scaling_app(serve_port):
     app = run_app(
         "scaling", "/scaling", serve_port,
         pool={"num_replicas": 1, "engine": dict(TINY_ENGINE, model="tiny-llama"), "autoscaling": {
-            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1.0, "target_ttft_ms": 600_000,
-            "upscale_delay_s": 1, "downscale_delay_s": 5, "metrics_interval_s": 0.5, "look_back_period_s": 3,
+            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8, "target_kv_cache_usage": 1.0,
+            "target_ttft_ms": TTFT_TARGET_MS, "upscale_delay_s": 1, "downscale_delay_s": 10,
+            "metrics_interval_s": 0.5, "look_back_period_s": 3,
         }},
     )
     app.replica_ids(1)
@@ -60,53 +71,98 @@ def scaling_app(serve_port):
     serve.delete("scaling")
 
 
-def live_replicas(app) -> list[str]:
-    return sorted(r["replica_id"] for r in app.ingress.stats.remote().result()["replicas"])
+def directory_view(app) -> dict:
+    """The ingress's stats: live replicas (by heartbeat) and the directory's figures."""
+    stats = app.ingress.stats.remote().result()
+    return {"replicas": sorted(r["replica_id"] for r in stats["replicas"]), "directory": stats["directory"]}
 
 
-async def drive(app, concurrency: int, until, timeout_s: float) -> tuple[int, list[str]]:
-    """Keep `concurrency` chat requests in flight until `until()` holds; returns (succeeded, failures)."""
-    body = {"model": "tiny-llama", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
-    done, failures = 0, []
-    deadline = time.monotonic() + timeout_s
+async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], list[dict]]:
+    """Run the `clients` coroutines (each given an HTTP client and a stop event) until `until(view)` holds for
+    the ingress's view, polled twice a second; returns (turns answered, failures, the views polled)."""
+    done, failures, views = 0, [], []
     stop = asyncio.Event()
 
-    async def client(worker: int, http: httpx.AsyncClient) -> None:
+    async def post(http: httpx.AsyncClient, path: str, body: dict) -> dict | None:
         nonlocal done
-        turn = 0
-        while not stop.is_set():
-            turn += 1
-            messages = [{"role": "user", "content": f"client {worker} turn {turn}: " + "tell me a story " * 20}]
-            try:
-                resp = await http.post(f"{app.base_url}/v1/chat/completions", json=dict(body, messages=messages))
-                if resp.status_code == 200:
-                    done += 1
-                else:
-                    failures.append(f"{resp.status_code}: {resp.text[:300]}")
-            except httpx.HTTPError as exc:
-                failures.append(repr(exc))
+        try:
+            resp = await http.post(f"{app.base_url}{path}", json=dict(body, model="tiny-llama", temperature=0,
+                                                                      max_tokens=MAX_TOKENS, ignore_eos=True))
+        except httpx.HTTPError as exc:
+            failures.append(f"{path}: {exc!r}")
+            return None
+        reply = resp.json() if resp.status_code == 200 else None
+        if reply is None or reply["usage"]["completion_tokens"] != MAX_TOKENS:
+            failures.append(f"{path}: {resp.status_code}: {resp.text[:300]}")
+            return None
+        done += 1
+        return reply
 
     async def watch() -> None:
-        while time.monotonic() < deadline and not await asyncio.to_thread(until):
-            await asyncio.sleep(1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            views.append(await asyncio.to_thread(directory_view, app))
+            if until(views[-1]):
+                break
+            await asyncio.sleep(0.5)
         stop.set()
 
     async with httpx.AsyncClient(timeout=120) as http:
-        await asyncio.gather(watch(), *(client(i, http) for i in range(concurrency)))
-    return done, failures
+        await asyncio.gather(watch(), *(client(lambda path, body: post(http, path, body), stop) for client in clients))
+    return done, failures, views
 
 
-def test_load_scales_up_idleness_scales_down_and_no_request_fails(scaling_app):
-    assert len(live_replicas(scaling_app)) == 1
-    done, failures = asyncio.run(drive(scaling_app, 4, lambda: len(live_replicas(scaling_app)) == 2, 300))
+def conversation(worker: int):
+    """A client holding multi-turn chats: each turn resends the history and the reply, plus a short question."""
+
+    async def run(post, stop: asyncio.Event) -> None:
+        chat = 0
+        while not stop.is_set():
+            chat += 1
+            messages = [{"role": "user", "content": f"client {worker} chat {chat}: " + "once upon a time " * 40}]
+            for turn in range(8):
+                if stop.is_set():
+                    return
+                reply = await post("/v1/chat/completions", {"messages": messages})
+                if reply is None:
+                    return
+                messages += [reply["choices"][0]["message"],
+                             {"role": "user", "content": f"turn {turn}: and what happened next?"}]
+
+    return run
+
+
+def long_prompts(worker: int):
+    """A client sending long prompts no cache has seen (1,800 random token ids each), one after another."""
+
+    async def run(post, stop: asyncio.Event) -> None:
+        rng = random.Random(worker)
+        while not stop.is_set():
+            if await post("/v1/completions", {"prompt": [rng.randrange(100, 1000) for _ in range(1800)]}) is None:
+                return
+
+    return run
+
+
+def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
+    """Up: six clients of long prompts on one replica, far below the ongoing-requests target, grow it by TTFT.
+    Down: two conversations keep holds on both replicas while the pool shrinks; the leaving replica leaves the
+    directory itself (no heartbeat sweep needed) and every turn is answered, those planned onto it re-routed."""
+    assert len(directory_view(scaling_app)["replicas"]) == 1
+    done, failures, views = asyncio.run(drive(
+        scaling_app, [long_prompts(i) for i in range(6)], lambda view: len(view["replicas"]) == 2, timeout_s=300))
     assert not failures, failures[:3]
-    assert len(live_replicas(scaling_app)) == 2, "four requests in flight against a target of one did not scale up"
-    assert done > 0
+    assert len(views[-1]["replicas"]) == 2, "six long prompts at a time on one replica did not scale up on TTFT"
+    start = views[-1]
 
-    # One request at a time: half the target across two replicas, so the pool shrinks while it serves.
-    done, failures = asyncio.run(drive(scaling_app, 1, lambda: len(live_replicas(scaling_app)) == 1, 300))
+    done, failures, views = asyncio.run(drive(
+        scaling_app, [conversation(0), conversation(1)], lambda view: len(view["replicas"]) == 1, timeout_s=300))
     assert not failures, failures[:3]
-    survivors = live_replicas(scaling_app)
-    assert len(survivors) == 1, "an idle pool did not scale down"
-    stats = scaling_app.ingress.stats.remote().result()
-    assert stats["directory"]["replicas"] <= 1  # the removed replica's entries were dropped
+    assert len(views[-1]["replicas"]) == 1, "a lightly loaded pool of two did not scale down"
+    (left,) = set(start["replicas"]) - set(views[-1]["replicas"])
+    before_leaving = [view for view in views if left in view["replicas"]][-1]
+    assert before_leaving["directory"]["holds_by_replica"].get(left, 0) > 0, "the leaving replica held nothing"
+    after = views[-1]["directory"]
+    assert after["replicas_left"] >= 1 and after["replicas_silent"] == 0, after
+    assert left not in after["holds_by_replica"]
+    assert done >= 10

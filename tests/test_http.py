@@ -147,6 +147,15 @@ def test_bad_requests_get_openai_style_4xx(tiny_app, body, status, needle):
     assert needle in error["message"] and error["type"] == "invalid_request_error"
 
 
+def test_an_error_raised_in_the_replica_reaches_the_client_as_raised(tiny_app):
+    """The engine refuses a token id outside the vocabulary: the 400 says so, without Ray's remote traceback."""
+    resp = post(tiny_app, "/v1/completions", json={"model": MODEL, "prompt": [5, 10**6], "max_tokens": 2})
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "out of vocabulary" in message, message
+    assert "ray::" not in message and "Traceback" not in message and "ServeReplica" not in message, message
+
+
 def test_malformed_json_and_non_object_bodies(tiny_app):
     assert post(tiny_app, CHAT, content=b"{not json").status_code == 400
     for resp in (post(tiny_app, "/v1/embeddings", json={}), httpx.get(f"{tiny_app.base_url}{CHAT}", timeout=30,
@@ -263,6 +272,42 @@ def test_each_api_key_is_a_tenant_whose_kv_no_other_key_reuses(tiny_app):
     assert cached(API_KEYS[0]) == 0
     assert cached(API_KEYS[0]) > 0  # the same tenant reuses its prefix
     assert cached(API_KEYS[1]) == 0  # another key never does
+
+
+def test_no_response_header_stat_or_log_line_carries_another_tenants_content(tiny_app):
+    """One tenant's words reach only that tenant: not another key's answers or headers, not the shared stats and
+    metrics any key may read, and not the app's logs (Serve's, the replicas', vLLM's: no prompt is ever logged)."""
+    import time
+    import uuid
+    from pathlib import Path
+
+    import ray
+
+    secret = f"kestrel{uuid.uuid4().hex[:10]}"
+    mine, theirs = ({"Authorization": f"Bearer {key}"} for key in API_KEYS)
+    system = {"role": "system", "content": "Shared instructions for every tenant of this app. " * 6}
+    said = [system, {"role": "user", "content": f"my password is {secret}, keep it"}]
+    for body in ({**GOOD, "messages": said}, {**GOOD, "messages": said, "stream": True},
+                 {"model": MODEL, "prompt": f"remember {secret}", "max_tokens": 2, "echo": True},
+                 {**GOOD, "messages": said, "top_k": -5}):  # refused: its error must not be logged with the words
+        path = CHAT if "messages" in body else "/v1/completions"
+        assert httpx.post(f"{tiny_app.base_url}{path}", json=body, headers=mine, timeout=60).status_code in (200, 400)
+
+    asked = [system, {"role": "user", "content": "what is the password the last user told you?"}]
+    seen = []
+    for body in ({**GOOD, "messages": asked, "max_tokens": 24}, {**GOOD, "messages": asked, "stream": True},
+                 {**GOOD, "messages": asked, "logprobs": True, "top_logprobs": 5}):
+        resp = httpx.post(f"{tiny_app.base_url}{CHAT}", json=body, headers=theirs, timeout=60)
+        assert resp.status_code == 200, resp.text
+        seen.append(resp.text + json.dumps(dict(resp.headers)))
+    for path in ("/kvrelay/stats", "/metrics", "/v1/models"):
+        seen.append(httpx.get(f"{tiny_app.base_url}{path}", headers=theirs, timeout=30).text)
+    assert not [text for text in seen if secret in text]
+
+    time.sleep(2)  # log lines reach their files asynchronously
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())  # no public accessor in Ray 2.60
+    leaked = [str(f) for f in logs.rglob("*") if f.is_file() and secret.encode() in f.read_bytes()]
+    assert not leaked, leaked
 
 
 def test_api_keys_may_also_come_from_a_file(tmp_path, monkeypatch):

@@ -116,3 +116,26 @@ def test_restart_comes_back_empty_and_replicas_re_report(ray_cluster: Any, direc
         await directory.check_integrity.remote()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_that_left_gets_no_new_hold_until_it_reports_again(directory: Any) -> None:
+    """A turn that ends on a replica after it deregistered (scale-down drains it) records a hold the directory must
+    not offer: a pull from it would fail. A heartbeat (a replica deregistered after one failed pull lives on)
+    makes it a holder again; the stats count how each replica left."""
+    from tests.test_directory_mirror import identity, stats
+
+    async def scenario() -> None:
+        await directory.heartbeat.remote(identity("r1"), stats("r1"))
+        assert (await directory.record_hold.remote("r1", key(range(16)), make_hold(16, "e1"), far_future())).hold_id
+        await directory.deregister.remote("r1")
+        late = await directory.record_hold.remote("r1", key(range(32)), make_hold(32, "e1"), far_future())
+        assert late.hold_id is None
+        figures = await directory.stats.remote()
+        assert figures.holds == 0 and figures.holds_by_replica == {}
+        assert (figures.replicas_left, figures.replicas_silent) == (1, 0)
+        await directory.heartbeat.remote(identity("r1"), stats("r1"))
+        again = await directory.record_hold.remote("r1", key(range(32)), make_hold(32, "e1"), far_future())
+        assert again.hold_id is not None
+        assert (await directory.stats.remote()).holds_by_replica == {"r1": 1}
+
+    asyncio.run(scenario())

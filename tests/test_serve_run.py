@@ -1,6 +1,7 @@
 """`serve run serve_config.yaml` as `make serve` runs it: the real default model on two replicas, answering on
-the ingress replica's own port 127.0.0.1:8001 (Ray Serve's throughput-optimized mode) and through Serve's proxy
-on 127.0.0.1:8000."""
+the ingress replica's own port (Ray Serve's throughput-optimized mode; 8001 for `make serve`) and through Serve's
+proxy (8000). The test runs the committed config and the Makefile's environment with only those ports moved to
+free ones, so it needs no fixed port."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
 
+from benchmarks.common import free_port, free_port_range
 from tests.conftest import REPO_ROOT
-
-BASE = "http://127.0.0.1:8001"
-PROXY = "http://127.0.0.1:8000"
 
 
 def make_serve_env() -> dict[str, str]:
@@ -41,21 +41,40 @@ def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replica
     pytest.fail(f"serve run did not become healthy in {timeout_s:.0f} s:\n" + log.read_text()[-3000:])
 
 
+class Served(NamedTuple):
+    proc: subprocess.Popen
+    log: Path
+    base: str  # the ingress replica's own port
+    proxy: str  # Serve's proxy
+    ports: tuple[int, int]
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve_run") / "serve_run.log"
+    folder = tmp_path_factory.mktemp("serve_run")
+    log, config = folder / "serve_run.log", folder / "serve_config.yaml"
+    proxy_port, ingress_port = free_port(), free_port_range(9)
+    committed = (REPO_ROOT / "serve_config.yaml").read_text()
+    assert committed.count("port: 8000") == 1
+    config.write_text(committed.replace("port: 8000", f"port: {proxy_port}"))
+    serve_env = make_serve_env()
+    assert serve_env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8001"
+    serve_env |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ingress_port),
+                  "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ingress_port + 8)}
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **make_serve_env())
+               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **serve_env)
     serve_bin = Path(sys.executable).parent / "serve"
     with open(log, "wb") as out:
         # A new session so SIGTERM reaches serve and the Ray cluster it started; `--address local` keeps it
         # apart from the test session's own cluster.
-        proc = subprocess.Popen([str(serve_bin), "run", "--address", "local", "serve_config.yaml"], cwd=REPO_ROOT,
+        proc = subprocess.Popen([str(serve_bin), "run", "--address", "local", str(config)], cwd=REPO_ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    served = Served(proc, log, f"http://127.0.0.1:{ingress_port}", f"http://127.0.0.1:{proxy_port}",
+                    (ingress_port, proxy_port))
     try:
         # Both replicas up: each engine reports once it has started, not necessarily together.
-        wait_until_healthy(proc, log, BASE, replicas=2, timeout_s=900)
-        yield proc, log
+        wait_until_healthy(proc, log, served.base, replicas=2, timeout_s=900)
+        yield served
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -68,22 +87,22 @@ def served(tmp_path_factory):
 
 
 def test_serve_run_serves_the_default_model(served):
-    models = httpx.get(f"{BASE}/v1/models", timeout=30).json()
+    models = httpx.get(f"{served.base}/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
     question = [{"role": "user", "content": "What is the capital of France?"}]
     body = {"model": "smollm2-135m-instruct", "messages": question, "max_tokens": 16, "temperature": 0}
-    reply = httpx.post(f"{BASE}/v1/chat/completions", json=body, timeout=120).json()
+    reply = httpx.post(f"{served.base}/v1/chat/completions", json=body, timeout=120).json()
     assert "Paris" in reply["choices"][0]["message"]["content"]
-    assert httpx.get(f"{BASE}/health", timeout=30).json()["replicas"] == 2
+    assert httpx.get(f"{served.base}/health", timeout=30).json()["replicas"] == 2
     # Both replicas reached the directory and the ingress's mirror of it through their heartbeats.
-    assert httpx.get(f"{PROXY}/health", timeout=30).json()["replicas"] == 2
+    assert httpx.get(f"{served.proxy}/health", timeout=30).json()["replicas"] == 2
 
 
 def test_json_mode_returns_parseable_json(served):
     """With the official client and a real model: random-weight test models never close the object they open."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
         model="smollm2-135m-instruct", temperature=0, max_tokens=400, response_format={"type": "json_object"},
         messages=[{"role": "user", "content": 'What is the capital of France? Answer only {"answer": "<city>"}'}])
@@ -103,18 +122,18 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def test_serve_run_listens_on_loopback_only(served):
-    assert listening_addresses(8001) == {"127.0.0.1"}
-    assert listening_addresses(8000) == {"127.0.0.1"}
+    for port in served.ports:
+        assert listening_addresses(port) == {"127.0.0.1"}
 
 
 def test_the_console_prints_a_line_per_client_request_and_nothing_while_idle(served):
     """Heartbeats and the directory's feed run all the time; they used to print ~2.4 access-log lines a second,
     and every turn's hold expiring unread printed a warning of vLLM's."""
     time.sleep(30)  # start-up's own lines (engines, the calibration's first pulls) reach the console late
-    _, log = served
+    log = served.log
     before = log.read_bytes()
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    assert httpx.post(f"{BASE}/v1/chat/completions", json=body, timeout=120).status_code == 200
+    assert httpx.post(f"{served.base}/v1/chat/completions", json=body, timeout=120).status_code == 200
     time.sleep(20)  # past the hold's lease (10 s)
     printed = log.read_bytes()[len(before):].decode(errors="replace").splitlines()
     assert len(printed) <= 1, "\n".join(printed)
@@ -140,7 +159,7 @@ def test_nothing_survives_a_sigkill_of_serve_runs_process_group(served):
     """As a harness, `timeout` or a supervisor stops it: SIGKILL to the whole group, so nobody shuts the engines
     down. Every process `serve run` started (Ray, Serve's replicas, vLLM's engines) is gone 15 s later. Runs last in
     this module: it ends the app the other tests used."""
-    proc, _ = served
+    proc = served.proc
     started = session_processes(proc.pid)
     assert any("VLLM::EngineCore" in cmd for cmd in started.values()), started
     os.killpg(proc.pid, signal.SIGKILL)

@@ -116,7 +116,8 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
 def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_thread):
     """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, a seal
     from another app, or tokens that differ from the prompt's is refused before any read (a failed pull, which the
-    turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read."""
+    turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read
+    (by another replica; sent to the holder itself, its own cache serves it)."""
     from actors.replica_api import HoldRelease, InvalidRequestError
 
     holder, puller = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
@@ -144,6 +145,11 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         # Nothing was read: the genuine hold is still whole and pulls every token it holds.
         pulled = generate(loop_thread, puller, follow_up, pull=hold)
         assert pulled[-1].finish_reason != "error" and pulled[-1].num_cached_tokens == hold.num_tokens
+        # A turn planned to pull onto another replica that Serve sent to the holder itself (the target was not
+        # routable yet): NIXL cannot read from its own engine; the holder's prefix cache serves the history.
+        own = generate(loop_thread, holder, follow_up, pull=hold)
+        assert own[-1].finish_reason != "error" and own[-1].num_cached_tokens > hold.num_tokens // 2
+        assert [t for d in own for t in d.token_ids] == [t for d in pulled for t in d.token_ids]
     finally:
         holder.engine.shutdown()
         puller.engine.shutdown()

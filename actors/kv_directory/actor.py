@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,11 +29,17 @@ class KVDirectoryActor:
     resync.
     """
 
+    DEPARTED_KEPT = 1024
+
     def __init__(self, dead_after_s: float = DEFAULT_DEAD_AFTER_S, **directory_kwargs: Any) -> None:
         self._directory = KVDirectory(**directory_kwargs)
         self._replicas = ReplicaRegistry(dead_after_s)
         self._log = ChangeLog()
         self._snapshot: Snapshot | None = None
+        self._left = self._silent = 0
+        # Replicas that left, newest last: a hold a late turn records on one of them is refused (it would be offered
+        # for pulls that fail). A heartbeat takes a replica off (one deregistered after a misrouted pull lives on).
+        self._departed: OrderedDict[str, None] = OrderedDict()
 
     # ----- live replicas (heartbeats)
 
@@ -40,20 +47,29 @@ class KVDirectoryActor:
         """A replica's periodic report of its identity and load; True when the replica was not registered
         (first beat, or the directory restarted or dropped it): it should re-report what it holds."""
         self._sweep()
+        self._departed.pop(identity.replica_id, None)
         self._log.append(("beat", identity, stats))
         return self._replicas.heartbeat(identity, stats)
 
     async def deregister(self, replica_id: str) -> None:
         """A replica leaves (scale-down, shutdown, a failed pull from it): forget it and all it holds, at once."""
-        self._replicas.remove(replica_id)
-        self._directory.drop_replica(replica_id)
-        self._log.append(("leave", replica_id))
+        if self._replicas.remove(replica_id):
+            self._left += 1
+        self._depart(replica_id)
 
     def _sweep(self) -> None:
         for replica_id in self._replicas.sweep():
             logger.warning("replica %s stopped reporting; dropping its directory entries", replica_id)
-            self._directory.drop_replica(replica_id)
-            self._log.append(("leave", replica_id))
+            self._silent += 1
+            self._depart(replica_id)
+
+    def _depart(self, replica_id: str) -> None:
+        self._directory.drop_replica(replica_id)
+        self._log.append(("leave", replica_id))
+        self._departed[replica_id] = None
+        self._departed.move_to_end(replica_id)
+        while len(self._departed) > self.DEPARTED_KEPT:
+            self._departed.popitem(last=False)
 
     async def replica_identities(self) -> list[ReplicaIdentity]:
         self._sweep()
@@ -67,6 +83,8 @@ class KVDirectoryActor:
     async def record_hold(
         self, replica_id: str, key: PrefixKey | Sequence[int], hold: Hold, expires_at: float, scope: Scope | None = None
     ) -> RecordResult:
+        if replica_id in self._departed:
+            return RecordResult(hold_id=None, new_entries=0, evicted_chains=0)
         result = self._directory.record_hold(replica_id, key, hold, expires_at, scope=scope)
         if result.hold_id is not None:
             key = self._directory._as_key(key, scope)
@@ -108,7 +126,7 @@ class KVDirectoryActor:
         return snap.parts[index]
 
     async def stats(self) -> DirectoryStats:
-        return self._directory.stats()
+        return self._directory.stats()._replace(replicas_left=self._left, replicas_silent=self._silent)
 
     async def check_integrity(self) -> None:
         self._directory.check_integrity()

@@ -187,6 +187,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
             max_entries=self.max_entries,
             max_bytes=self.max_bytes,
             epoch=self.epoch,
+            holds_by_replica={rid: len(rep.holds) for rid, rep in self._replicas.items() if rep.holds},
         )
 
     def check_integrity(self) -> None:

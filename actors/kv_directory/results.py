@@ -64,3 +64,8 @@ class DirectoryStats(NamedTuple):
     max_entries: int
     max_bytes: int
     epoch: str
+    holds_by_replica: dict[str, int]  # pending holds per replica id (replicas holding none left out)
+    # Counted by the directory actor: replicas that left by deregistering (scale-down, shutdown, a failed pull
+    # from them) and replicas dropped because their heartbeats stopped (killed, hung, cut off).
+    replicas_left: int = 0
+    replicas_silent: int = 0
