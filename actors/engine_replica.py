@@ -190,7 +190,10 @@ class EngineReplica:
         if not release.hold.authentic(self._hold_key):
             raise InvalidRequestError("this hold was not sealed by a replica of this app; it is not released")
         if release.hold.engine_id == self.engine_id:
-            raise InvalidRequestError("a replica cannot release its own hold; send the release to another replica")
+            # The release reaches a holder through its NIXL peer. Sent here anyway (Serve could not route it to the
+            # replica the ingress chose): the hold lasts until its lease ends, as it would have without a release.
+            logger.debug("release of own hold %s: it lasts until its lease ends", release.hold.request_id)
+            return
         await self.engine.notify_kv_transfer_request_rejected(
             f"release-{uuid.uuid4().hex}", release.hold.release_params()
         )

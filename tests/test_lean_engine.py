@@ -110,7 +110,7 @@ from actors.engine_replica import EngineReplica
 if __name__ == "__main__":
     replica = EngineReplica({"model": "tiny-llama", "dtype": "float32", "max_model_len": 512,
                              "kv_cache_memory_bytes": 32 * 1024**2, "nixl": {"enabled": False}})
-    print(replica.engine_pids[0], flush=True)
+    print(f"engine pid {replica.engine_pids[0]}", flush=True)
     os._exit(0)  # no shutdown: the engine process must notice on its own
 """
 
@@ -124,7 +124,8 @@ def test_the_engine_process_exits_when_its_replica_process_dies(tmp_path):
         done = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, env=env, stdout=sink,
                               stderr=subprocess.STDOUT, timeout=300)
     assert done.returncode == 0, out.read_text()[-2000:]
-    engine_pid = int(out.read_text().strip().splitlines()[-1])
+    # Other lines may follow it (multiprocessing's resource tracker warns about what os._exit left behind).
+    engine_pid = int(next(line for line in out.read_text().splitlines() if line.startswith("engine pid "))[11:])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
