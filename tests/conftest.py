@@ -199,8 +199,3 @@ def tiny_app(serve_port) -> Iterator[ServedApp]:
     app.ingress.calibrated.remote().result()
     yield app
     serve.delete("tiny")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Run the `serve run` tests first: each starts its own Ray cluster, which fails to come up beside the session's."""
-    items.sort(key=lambda item: 0 if item.path.name.startswith("test_serve_run") else 1)
