@@ -28,14 +28,17 @@ def user_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def converse(app: ServedApp, mode: str, seed: int) -> list[list[int]]:
-    """A 4-turn conversation; `mode` "pull" alternates replicas and pulls, "recompute" recomputes all."""
+    """A 4-turn conversation; `mode` "pull" alternates replicas and pulls, "stay" keeps every turn on the replica
+    holding the history (which reads its own hold), "recompute" recomputes all."""
     rng = random.Random(seed)
     replicas = app.replica_ids(2)
     history = user_tokens(rng, 150)
     replies = []
+    held = 0
     for turn in range(TURNS):
-        target = replicas[turn % 2]
-        force = ("recompute" if mode == "recompute" or turn == 0 else "pull", target)
+        target = replicas[0] if mode == "stay" else replicas[turn % 2]
+        later = {"pull": "pull", "stay": "local"}.get(mode, "recompute")
+        force = ("recompute" if turn == 0 else later, target)
         result = app.ingress.turn.remote(history, GREEDY, force).result(timeout_s=120)
         assert result.kvrelay.mode == force[0], result.kvrelay
         assert result.kvrelay.replica == target
@@ -43,13 +46,21 @@ def converse(app: ServedApp, mode: str, seed: int) -> list[list[int]]:
             assert result.kvrelay.holder == replicas[(turn - 1) % 2]
             # The engine reports the pulled tokens as cached: all but the last token of the prior turn.
             assert result.usage.cached_tokens >= len(history) - 40
+        if force[0] == "local":
+            # Every held token, the last partial block included: its own hold, read in memory.
+            assert result.usage.cached_tokens == result.kvrelay.reused_tokens == held, result.kvrelay
         replies.append(result.token_ids)
+        held = len(history) + len(result.token_ids) - 1
         history = history + result.token_ids + user_tokens(rng, 20)
     return replies
 
 
 def test_pulls_give_the_same_tokens_as_recompute_on_tiny_llama(tiny_app):
     assert converse(tiny_app, "pull", seed=1) == converse(tiny_app, "recompute", seed=1)
+
+
+def test_turns_that_stay_on_the_holder_give_the_same_tokens_as_recompute(tiny_app):
+    assert converse(tiny_app, "stay", seed=7) == converse(tiny_app, "recompute", seed=7)
 
 
 def test_planner_reuses_the_history_on_its_own(tiny_app):
@@ -117,7 +128,7 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
     """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, a seal
     from another app, or tokens that differ from the prompt's is refused before any read (a failed pull, which the
     turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read
-    (by another replica; sent to the holder itself, its own cache serves it)."""
+    (by another replica, once)."""
     from actors.replica_api import HoldRelease, InvalidRequestError
 
     holder, puller = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
@@ -145,14 +156,37 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         # Nothing was read: the genuine hold is still whole and pulls every token it holds.
         pulled = generate(loop_thread, puller, follow_up, pull=hold)
         assert pulled[-1].finish_reason != "error" and pulled[-1].num_cached_tokens == hold.num_tokens
-        # A turn planned to pull onto another replica that Serve sent to the holder itself (the target was not
-        # routable yet): NIXL cannot read from its own engine; the holder's prefix cache serves the history.
-        own = generate(loop_thread, holder, follow_up, pull=hold)
-        assert own[-1].finish_reason != "error" and own[-1].num_cached_tokens > hold.num_tokens // 2
-        assert [t for d in own for t in d.token_ids] == [t for d in pulled for t in d.token_ids]
+        # Read once: the puller's notice frees it at the holder's next step (within nixl.hold_step_s), after which
+        # the holder itself can no longer read it.
+        time.sleep(4 * holder.config.nixl.hold_step_s)
+        gone = generate(loop_thread, holder, follow_up, pull=hold)
+        assert gone[-1].finish_reason == "error" and not gone[-1].token_ids
     finally:
         holder.engine.shutdown()
         puller.engine.shutdown()
+
+
+def test_a_turn_that_stays_on_its_holder_reads_every_held_token(loop_thread):
+    """vLLM's prefix cache keeps full blocks only: staying on the holder used to recompute the history's last partial
+    block, so pulling it elsewhere looked faster on every turn (a lone conversation ping-ponged between replicas).
+    The holder reads its own hold in memory: every held token is reused and the answer is the one computed from
+    scratch."""
+    holder, other = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
+    try:
+        rng = random.Random(10)
+        prompt = user_tokens(rng, 203)
+        turn1 = generate(loop_thread, holder, prompt)
+        hold = turn1[-1].hold
+        assert hold.num_tokens % holder.config.block_size, "the test needs a partial last block"
+        follow_up = prompt + [t for d in turn1 for t in d.token_ids] + user_tokens(rng, 20)
+        stays = generate(loop_thread, holder, follow_up, pull=hold)
+        assert stays[-1].finish_reason != "error" and stays[-1].num_cached_tokens == hold.num_tokens
+        scratch = generate(loop_thread, other, follow_up, own_kv_only=True)
+        assert scratch[-1].num_cached_tokens == 0
+        assert [t for d in stays for t in d.token_ids] == [t for d in scratch for t in d.token_ids]
+    finally:
+        holder.engine.shutdown()
+        other.engine.shutdown()
 
 
 def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):
