@@ -5,7 +5,8 @@
 Client threads hold conversations over HTTP (a 200-token opening, then each reply and 30 new tokens, a new
 conversation past 1,500 tokens), with the planner choosing every turn. Once a minute it records the resident memory
 of every process of the app (Serve replicas by deployment, vLLM engine processes, Ray's own), the KV directory's
-entries and bytes, and each replica's KV cache use. After a warm-up of a fifth of the run it fits a line to each
+entries and bytes, and each replica's KV cache use; vLLM's engine processes' memory also by what backs it
+(anonymous, library file pages, shared memory). After a warm-up of a fifth of the run it fits a line to each
 series: `growth_pct` is that line's rise over the rest of the run, relative to its mean. Errors are any turn without
 a correct-looking answer (a status other than 200, or fewer tokens than asked).
 """
@@ -47,17 +48,33 @@ def process_kind(proc: psutil.Process) -> str | None:
     return None
 
 
-def memory_by_kind() -> dict[str, float]:
-    """Resident MiB summed per kind of process."""
+def resident_split_mib(pid: int) -> dict[str, float]:
+    """A process's resident MiB by what backs it (/proc/PID/status): anonymous memory (heaps, tensors), file
+    pages (code and data of the libraries it has touched) and shared memory."""
+    split = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            for kind in ("anon", "file", "shmem"):
+                if line.startswith(f"Rss{kind.capitalize()}:"):
+                    split[kind] = int(line.split()[1]) / 1024
+    return split
+
+
+def memory_by_kind() -> tuple[dict[str, float], dict[str, float]]:
+    """Resident MiB summed per kind of process, and vLLM's engine processes' resident MiB by what backs it."""
     totals: dict[str, float] = defaultdict(float)
+    engine_split: dict[str, float] = defaultdict(float)
     for proc in psutil.process_iter():
         kind = process_kind(proc)
         if kind is not None:
             try:
                 totals[kind] += proc.memory_info().rss / 2**20
-            except psutil.Error:
+                if kind == "vllm_engine":
+                    for backing, mib in resident_split_mib(proc.pid).items():
+                        engine_split[backing] += mib
+            except (psutil.Error, OSError):
                 pass
-    return dict(totals)
+    return dict(totals), dict(engine_split)
 
 
 def growth_pct(values: list[float]) -> float | None:
@@ -76,6 +93,9 @@ def growth_by_series(samples: list[dict[str, Any]]) -> dict[str, float | None]:
     kinds = sorted({k for s in samples for k in s["rss_mib"]})
     growth = {f"rss_{k}": growth_pct([s["rss_mib"].get(k, 0.0) for s in samples]) for k in kinds}
     growth["rss_total"] = growth_pct([sum(s["rss_mib"].values()) for s in samples])
+    for backing in sorted({k for s in samples for k in s.get("vllm_engine_rss_by_backing_mib", {})}):
+        growth[f"rss_vllm_engine_{backing}"] = growth_pct(
+            [s["vllm_engine_rss_by_backing_mib"].get(backing, 0.0) for s in samples])
     growth["directory_bytes"] = growth_pct([float(s["directory_bytes"]) for s in samples])
     return growth
 
@@ -126,8 +146,10 @@ def soak(app: BenchApp, minutes: float, clients: int) -> dict[str, Any]:
         for minute in range(int(minutes) + 1):
             time.sleep(max(0.0, started + 60 * minute - time.monotonic()))
             stats = app.ingress.stats.remote().result(timeout_s=60)
+            rss, engine_split = memory_by_kind()
             sample = {"minute": minute, "turns": counts["turns"], "errors": counts["errors"],
-                      "rss_mib": {k: round(v, 1) for k, v in sorted(memory_by_kind().items())},
+                      "rss_mib": {k: round(v, 1) for k, v in sorted(rss.items())},
+                      "vllm_engine_rss_by_backing_mib": {k: round(v, 1) for k, v in sorted(engine_split.items())},
                       "directory_entries": stats["directory"]["entries"],
                       "directory_bytes": stats["directory"]["bytes"],
                       "directory_holds": stats["directory"]["holds"],

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -70,6 +71,15 @@ def test_the_model_thread_stays_on_the_replica_core(loop_thread, replica):
     engine_core = vllm_processes(replica)["engine_core"][0]
     run(loop_thread, replica, list(range(100, 164)), 2, export_hold=False)
     assert set(psutil.Process(engine_core.pid).cpu_affinity()) == set(replica.cpu_cores)
+
+
+def test_the_engine_process_hands_free_heap_pages_back(replica):
+    """Without a periodic malloc_trim, each engine process grew by freed activations kept resident by glibc."""
+    from actors.lean_engine import HEAP_TRIM_THREAD
+
+    engine_core = vllm_processes(replica)["engine_core"][0]
+    names = {Path(f"/proc/{engine_core.pid}/task/{t.id}/comm").read_text().strip() for t in engine_core.threads()}
+    assert HEAP_TRIM_THREAD.decode() in names, names
 
 
 def test_an_idle_replica_with_a_pending_hold_does_not_spin(loop_thread, replica):
