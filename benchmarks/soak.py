@@ -64,7 +64,7 @@ def memory_by_kind() -> tuple[dict[str, float], dict[str, float]]:
     """Resident MiB summed per kind of process, and vLLM's engine processes' resident MiB by what backs it."""
     totals: dict[str, float] = defaultdict(float)
     engine_split: dict[str, float] = defaultdict(float)
-    for proc in psutil.process_iter():
+    for proc in psutil.Process().children(recursive=True):  # this run's cluster only, not another one beside it
         kind = process_kind(proc)
         if kind is not None:
             try:
