@@ -214,10 +214,14 @@ class EngineReplica:
             yield GenerateDelta(token_ids=[], text="", finished=True, finish_reason=LOAD_FAILED,
                                 replica_id=self.replica_id)
             return
-        if request.pull is not None and request.pull.engine_id == self.engine_id and not self._reads_own_holds:
-            # The held KV is this engine's own (the turn stays here, or Serve routed it here instead of the planned
-            # puller), and this engine's cache is not in host memory: its prefix cache serves all but the last
-            # partial block. NIXL cannot read from itself.
+        if request.pull is not None and (
+            (request.pull.engine_id == self.engine_id and not self._reads_own_holds)
+            or (request.own_hold and request.pull.engine_id != self.engine_id)
+        ):
+            # Either the held KV is this engine's own (the turn stays here, or Serve routed it here instead of the
+            # planned puller) and this engine's cache is not in host memory: its prefix cache serves all but the
+            # last partial block (NIXL cannot read from itself). Or the turn was to stay on its holder and Serve
+            # could not route it there (the holder is draining or gone): compute here rather than pull from it.
             request = request.model_copy(update={"pull": None})
         params = self._sampling_params(request)
         prompt: Any = (

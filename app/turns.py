@@ -363,6 +363,7 @@ class TurnRunner:
             prompt_token_ids=turn.token_ids,
             params=turn.params,
             pull=pull,
+            own_hold=pull is not None and plan.mode is Mode.LOCAL,
             prefilled=prefilled,
             target_replica=plan.replica_id or None,
             cache_salt=turn.tenant or None,

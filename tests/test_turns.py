@@ -97,10 +97,18 @@ def direct_replica(model: str, core: int, hold_key: str = KEY) -> EngineReplica:
         nixl=NixlSettings(enforce_handshake_compat=False), cpu_core_offset=core), hold_key=hold_key)
 
 
-def generate(loop_thread, replica: EngineReplica, ids: list[int], pull=None, own_kv_only=False):
+def generate(loop_thread, replica: EngineReplica, ids: list[int], pull=None, own_kv_only=False, own_hold=False):
     req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, params=Sampling(**GREEDY).to_params(),
-                          pull=pull, export_hold=not own_kv_only, skip_prefix_cache=own_kv_only)
+                          pull=pull, own_hold=own_hold, export_hold=not own_kv_only, skip_prefix_cache=own_kv_only)
     return loop_thread.run(collect(replica.generate(req)))
+
+
+def first_turn(loop_thread, holder: EngineReplica, rng: random.Random, prompt_tokens: int):
+    """A first turn on `holder`: its hold, its reply, and the next turn's prompt (history plus 20 new tokens)."""
+    prompt = user_tokens(rng, prompt_tokens)
+    turn = generate(loop_thread, holder, prompt)
+    reply = [t for d in turn for t in d.token_ids]
+    return turn[-1].hold, reply, prompt + reply + user_tokens(rng, 20)
 
 
 def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
@@ -108,12 +116,8 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
     holder, puller = direct_replica("tiny-llama-alt", 0), direct_replica("tiny-llama", 1)
     try:
         rng = random.Random(5)
-        prompt = user_tokens(rng, 200)
-        turn1 = generate(loop_thread, holder, prompt)
-        hold = turn1[-1].hold
-        out1 = [t for d in turn1 for t in d.token_ids]
-        assert hold.num_tokens == len(prompt) + len(out1) - 1
-        follow_up = prompt + out1 + user_tokens(rng, 20)
+        hold, reply, follow_up = first_turn(loop_thread, holder, rng, 200)
+        assert hold.num_tokens == 200 + len(reply) - 1
         pulled = generate(loop_thread, puller, follow_up, pull=hold)
         # The puller's prefix cache now holds the pulled blocks: compute its own answer from scratch.
         own = generate(loop_thread, puller, follow_up, own_kv_only=True)
@@ -128,16 +132,13 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
     """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, a seal
     from another app, or tokens that differ from the prompt's is refused before any read (a failed pull, which the
     turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read
-    (by another replica, once)."""
+    (by another replica, once; by the holder itself, in memory)."""
     from actors.replica_api import HoldRelease, InvalidRequestError
 
     holder, puller = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
     try:
         rng = random.Random(9)
-        prompt = user_tokens(rng, 200)
-        turn1 = generate(loop_thread, holder, prompt)
-        hold = turn1[-1].hold
-        follow_up = prompt + [t for d in turn1 for t in d.token_ids] + user_tokens(rng, 20)
+        hold, _, follow_up = first_turn(loop_thread, holder, rng, 200)
         edited = list(follow_up)
         edited[50] = edited[50] + 1  # one token of the held history differs
         forged = {
@@ -156,37 +157,30 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         # Nothing was read: the genuine hold is still whole and pulls every token it holds.
         pulled = generate(loop_thread, puller, follow_up, pull=hold)
         assert pulled[-1].finish_reason != "error" and pulled[-1].num_cached_tokens == hold.num_tokens
-        # Read once: the puller's notice frees it at the holder's next step (within nixl.hold_step_s), after which
-        # the holder itself can no longer read it.
+        # A turn that stays on the holder reads its own hold in memory: every held token, the last partial block
+        # included, which vLLM's prefix cache does not keep (counting only the cache, pulling the history away looked
+        # faster and a lone conversation moved on every turn). The answer is the one computed from scratch.
+        own, _, follow_own = first_turn(loop_thread, holder, rng, 203)
+        assert own.num_tokens % holder.config.block_size, "the check needs a partial last block"
+        stays = generate(loop_thread, holder, follow_own, pull=own)
+        assert stays[-1].finish_reason != "error" and stays[-1].num_cached_tokens == own.num_tokens
+        scratch = generate(loop_thread, puller, follow_own, own_kv_only=True)
+        assert scratch[-1].num_cached_tokens == 0
+        assert [t for d in stays for t in d.token_ids] == [t for d in scratch for t in d.token_ids]
+        # A turn meant to stay on its holder that Serve sends elsewhere (the holder is draining) is computed there,
+        # never pulled from the holder.
+        again = stays[-1].hold
+        moved = generate(loop_thread, puller, follow_own + [t for d in stays for t in d.token_ids] + [7] * 20,
+                         pull=again, own_hold=True)
+        assert moved[-1].finish_reason != "error" and moved[-1].num_cached_tokens < again.num_tokens
+        # Read once: the puller's notice frees a hold at the holder's next step (within nixl.hold_step_s), after
+        # which the holder itself can no longer read it.
         time.sleep(4 * holder.config.nixl.hold_step_s)
         gone = generate(loop_thread, holder, follow_up, pull=hold)
         assert gone[-1].finish_reason == "error" and not gone[-1].token_ids
     finally:
         holder.engine.shutdown()
         puller.engine.shutdown()
-
-
-def test_a_turn_that_stays_on_its_holder_reads_every_held_token(loop_thread):
-    """vLLM's prefix cache keeps full blocks only: staying on the holder used to recompute the history's last partial
-    block, so pulling it elsewhere looked faster on every turn (a lone conversation ping-ponged between replicas).
-    The holder reads its own hold in memory: every held token is reused and the answer is the one computed from
-    scratch."""
-    holder, other = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
-    try:
-        rng = random.Random(10)
-        prompt = user_tokens(rng, 203)
-        turn1 = generate(loop_thread, holder, prompt)
-        hold = turn1[-1].hold
-        assert hold.num_tokens % holder.config.block_size, "the test needs a partial last block"
-        follow_up = prompt + [t for d in turn1 for t in d.token_ids] + user_tokens(rng, 20)
-        stays = generate(loop_thread, holder, follow_up, pull=hold)
-        assert stays[-1].finish_reason != "error" and stays[-1].num_cached_tokens == hold.num_tokens
-        scratch = generate(loop_thread, other, follow_up, own_kv_only=True)
-        assert scratch[-1].num_cached_tokens == 0
-        assert [t for d in stays for t in d.token_ids] == [t for d in scratch for t in d.token_ids]
-    finally:
-        holder.engine.shutdown()
-        other.engine.shutdown()
 
 
 def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):
