@@ -71,9 +71,13 @@ def test_a_full_engine_queue_answers_429_at_once(serve_port):
             started = time.monotonic()
             return httpx.post(url, json=long, timeout=120), time.monotonic() - started
 
-        # Three at once: one runs, one waits in the queue, the third finds both full.
+        # One runs; then two at once: one waits in the queue, the other finds both full. (Sent all three at once,
+        # the running one could still be on its way to the replica when the others arrived: both were refused.)
         with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(send, range(3)))
+            running = pool.submit(send, 0)
+            time.sleep(2.0)  # it decodes 1,900 tokens: still running when the others come
+            later = list(pool.map(send, range(2)))
+            answers = [running.result(), *later]
         refused = [(r, s) for r, s in answers if r.status_code == 429]
         assert sorted(r.status_code for r, _ in answers) == [200, 200, 429], [r.text[:200] for r, _ in answers]
         response, seconds = refused[0]
