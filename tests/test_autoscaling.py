@@ -112,8 +112,9 @@ async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], 
     return done, failures, views
 
 
-def conversation(worker: int):
-    """A client holding multi-turn chats: each turn resends the history and the reply, plus a short question."""
+def conversation(worker: int, think_s: float):
+    """A client holding multi-turn chats: each turn resends the history and the reply, plus a short question,
+    `think_s` after the previous answer (a person reading it)."""
 
     async def run(post, stop: asyncio.Event) -> None:
         chat = 0
@@ -128,6 +129,7 @@ def conversation(worker: int):
                     return
                 messages += [reply["choices"][0]["message"],
                              {"role": "user", "content": f"turn {turn}: and what happened next?"}]
+                await asyncio.sleep(think_s)
 
     return run
 
@@ -162,8 +164,11 @@ def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
         assert time.monotonic() < deadline, "Serve never routed to the new replica"
         time.sleep(0.2)
 
+    # Light load: four people reading each answer for a second. Back to back, four conversations on two replicas
+    # kept a slow CI box's first tokens above half the target (150 ms), and the pool never shrank.
     done, failures, views = asyncio.run(drive(
-        scaling_app, [conversation(i) for i in range(4)], lambda view: len(view["replicas"]) == 1, timeout_s=300))
+        scaling_app, [conversation(i, think_s=1.0) for i in range(4)], lambda view: len(view["replicas"]) == 1,
+        timeout_s=300))
     assert not failures, failures[:3]
     assert len(views[-1]["replicas"]) == 1, "a lightly loaded pool of two did not scale down"
     (left,) = set(start["replicas"]) - set(views[-1]["replicas"])
