@@ -81,7 +81,10 @@ def ray_cluster() -> Iterator[Any]:
     except Exception:
         pass
     ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    if os.environ.get("KVRELAY_KEEP_RAY_LOGS"):  # debugging: every process's log stays under temp_dir/session_*/logs
+        print(f"Ray's logs kept in {temp_dir}")
+    else:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # Block size of the directory actors the directory tests start (small, so short token lists fill blocks).
