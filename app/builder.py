@@ -65,6 +65,7 @@ def engine_deployment(
         max_ongoing_requests=pool.max_ongoing_requests,
         max_queued_requests=pool.max_queued_requests,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        **({"max_replicas_per_node": pool.max_replicas_per_node} if pool.max_replicas_per_node else {}),
         request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
         health_check_period_s=10,
         health_check_timeout_s=60,
@@ -121,6 +122,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
                 update={"engine": decode.engine.model_copy(update={"cpu_core_offset": shifted})}
             )
         pools["decode_engines"] = engine_deployment("decode_engines", decode, directory, config, hold_key)
-    ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": config.ingress_num_cpus},
+    ingress = serve.deployment(Ingress, name="ingress",
+                               ray_actor_options={"num_cpus": config.ingress_num_cpus,
+                                                  "resources": config.ingress_resources},
                                logging_config=logging_config(config, internal=False))
     return ingress.bind(config.model_dump(), directory, **pools)

@@ -471,10 +471,13 @@ class Ingress:
         return self.runner.cost.snapshot()
 
     async def stats(self) -> dict[str, Any]:
-        """Planner counters, the cost model's current fit, the directory and the replicas."""
+        """Planner counters, the cost model's current fit, the directory, the replicas and where this ingress runs."""
+        import ray
+
         directory_stats = await self.directory.stats.remote()
         plan_ms = sorted(self.runner.plan_ms)
         return {
+            "ingress": {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()},
             "counters": dict(self.runner.counters),
             "cost_model": self.runner.cost.snapshot(),
             "directory": directory_stats._asdict(),

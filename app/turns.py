@@ -105,6 +105,9 @@ class TurnOutcome:
         reason = self.plan.reason + ("; the pull failed, recomputed" if self.pull_failed else "")
         if self.migrations:
             reason += f"; continued on another replica after {self.migrations} replica failure(s)"
+        elif self.replica_id and self.plan.replica_id and self.replica_id != self.plan.replica_id:
+            # The replica router sends a turn elsewhere when its target has left Serve's set (it died or drains).
+            reason += f"; planned for {self.plan.replica_id}, which Serve no longer routes to: ran here instead"
         return {
             "mode": self.plan.mode.value if not self.pull_failed else Mode.RECOMPUTE.value,
             "replica": self.replica_id or self.plan.replica_id,

@@ -93,6 +93,8 @@ class PoolConfig(BaseModel):
     # CPU box this is a scheduling share, not a core count; on GPU machines set num_gpus=1.
     num_cpus: float = Field(default=0.5, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
+    # At most this many replicas of the pool on one node (Serve's own option), e.g. 1 to spread over nodes.
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
     max_ongoing_requests: int = Field(default=32, ge=1)
     # Requests each caller (an ingress replica) queues for this pool beyond those its replicas run; one more gets
     # a 429 with Retry-After at once.
@@ -122,6 +124,8 @@ class AppConfig(BaseModel):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     decode_pool: PoolConfig | None = None
     ingress_num_cpus: float = Field(default=0.1, gt=0)
+    # Custom Ray resources the ingress needs: where it runs on a cluster (e.g. {"node:<head IP>": 0.01}).
+    ingress_resources: dict[str, float] = Field(default_factory=dict)
     # Turns one ingress replica runs at once; a request beyond them gets 429 with Retry-After at once rather than
     # a place in an unbounded queue.
     ingress_max_turns: int = Field(default=256, ge=1)
