@@ -246,7 +246,9 @@ class TurnRunner:
         if turn.params.prompt_logprobs is not None:
             # Every prompt position needs its logprobs computed: nothing cached or pulled may stand in for it.
             lookup = LookupResult(lookup.query_tokens, ())
-        views = with_busy_peers([self.inflight.view(r) for r in replicas], {r.replica_id: r.node_id for r in replicas})
+        node_of = {r.replica_id: r.node_id for r in replicas}
+        self.cost.set_nodes(node_of)
+        views = with_busy_peers([self.inflight.view(r) for r in replicas], node_of)
 
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.

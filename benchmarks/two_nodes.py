@@ -122,7 +122,7 @@ def main() -> None:
 
     model = args.model or DEFAULT_MODEL
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else (
-        [256, 1024] if args.quick else [64, 256, 512, 1024, 2048])
+        [256, 1024] if args.quick else [32, 64, 128, 256, 512, 1024, 2048])
     reps = args.reps or (2 if args.quick else 4)
     if args.sweep:
         print(json.dumps(sweep_on_cluster(args.sweep, model, lengths, reps)))

@@ -11,7 +11,9 @@ on the busy engines beside it by s for as long as the turn keeps it busy (`conte
 from the turn's prefill, its expected output tokens and the solo decode step, each measured here too).
 
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
-had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1).
+had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1),
+per node (nodes differ: cores, memory bandwidth, how many engines share them), the fleet's fit standing in for
+a node until it has MIN_NODE_SAMPLES of its own.
 
 On top of the fits, the planner's own error: measured minus estimated time to first token per kind of option
 (mode, and whether other engines on the node were busy), from the turns it ran; each kind's estimates get the
@@ -140,12 +142,17 @@ class CostModel:
     PRIOR_PULL = (30.0, 1.0 / 1e6)  # fixed ms, ms per byte (1 GB/s)
     MIN_SPEED_SAMPLES = 6
     MIN_SPEED_TOKENS = 128
+    MIN_NODE_SAMPLES = 4
 
     def __init__(self, kv_bytes: Callable[[int], int], window: int = 64) -> None:
         self.kv_bytes = kv_bytes
         self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
         self.contention = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), window)
+        self._window = window
+        # Each node's own slowdown fit, and each replica's node (`set_nodes`).
+        self._node_contention: dict[str, OnlineLinearFit] = {}
+        self._node_of: dict[str, str] = {}
         self.error = EstimateError(window)
         # One decode step of a request alone on its engine (a moving average over such requests).
         self.decode_step_ms = 20.0
@@ -168,7 +175,7 @@ class CostModel:
         if new_tokens <= 0:
             return 0.0
         solo = max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
-        return solo * self.slowdown(busy_peers) * self.speed_factor(replica_id)
+        return solo * self.slowdown(busy_peers, replica_id) * self.speed_factor(replica_id)
 
     def speed_factor(self, replica_id: str | None) -> float:
         """How much longer than the fleet's fit a replica's prefills take: its recent median measured / estimated
@@ -176,9 +183,20 @@ class CostModel:
         a noisy neighbour, another GPU), and one can slow down mid-run."""
         return self._speed.get(replica_id, 1.0) if replica_id is not None else 1.0
 
-    def slowdown(self, busy_peers: int) -> float:
+    def set_nodes(self, node_of: dict[str, str]) -> None:
+        """Which node each live replica runs on (mutates): contention is learned and priced per node."""
+        self._node_of = dict(node_of)
+
+    def _contention(self, replica_id: str | None) -> OnlineLinearFit:
+        """The slowdown fit of `replica_id`'s node once it has enough samples, else the fleet's."""
+        fit = self._node_contention.get(self._node_of.get(replica_id, "")) if replica_id is not None else None
+        return fit if fit is not None and len(fit.samples) >= self.MIN_NODE_SAMPLES else self.contention
+
+    def slowdown(self, busy_peers: int, replica_id: str | None = None) -> float:
         """How much longer work takes on a replica while `busy_peers` other engines on its node are busy."""
-        return 1.0 + max(0.0, self.contention.predict((float(busy_peers),))) if busy_peers > 0 else 1.0
+        if busy_peers <= 0:
+            return 1.0
+        return 1.0 + max(0.0, self._contention(replica_id).predict((float(busy_peers),)))
 
     def pull_ms(self, num_tokens: int) -> float:
         """Transfer the KV of `num_tokens` tokens from a holder (fixed handover part + bytes / bandwidth)."""
@@ -197,10 +215,10 @@ class CostModel:
                  + load.waiting * self.recompute_ms(256, 0, peers, replica))
         return ahead + (self.step_ms(load) if load.running else 0.0)
 
-    def contention_impact_ms(self, occupancy_ms: float, peer_requests: int) -> float:
+    def contention_impact_ms(self, occupancy_ms: float, peer_requests: int, replica_id: str | None = None) -> float:
         """Delay imposed on `peer_requests` requests running on busy engines of a node when one more of its
-        engines works for `occupancy_ms`: each runs slower by the measured slowdown per busy peer meanwhile."""
-        per_peer = max(0.0, self.contention.predict((1.0,)))
+        engines (`replica_id`) works for `occupancy_ms`: each runs slower by the node's slowdown per busy peer."""
+        per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))
         return per_peer * occupancy_ms * peer_requests
 
     def expected_output_tokens(self, max_tokens: int) -> int:
@@ -230,7 +248,13 @@ class CostModel:
             return
         solo = self.recompute_ms(new_tokens, context_tokens, replica_id=replica_id)
         if solo > 0:
-            self.contention.observe((float(busy_peers),), ms / solo - 1.0)
+            sample = ((float(busy_peers),), ms / solo - 1.0)
+            self.contention.observe(*sample)
+            node = self._node_of.get(replica_id or "")
+            if node:
+                if node not in self._node_contention:
+                    self._node_contention[node] = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), self._window)
+                self._node_contention[node].observe(*sample)
 
     def observe_decode(self, step_ms: float) -> None:
         """A decode step measured on a request that had its engine to itself (mutates the moving average)."""
@@ -265,6 +289,7 @@ class CostModel:
         return {
             "prefill": self.prefill.as_dict(),
             "contention": self.contention.as_dict(),
+            "contention_by_node": {node: fit.as_dict() for node, fit in sorted(self._node_contention.items())},
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.typical_output_tokens,

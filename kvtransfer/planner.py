@@ -169,7 +169,7 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
     if not target.peer_requests:
         return 0.0
     occupancy = compute_ms + output_tokens * cost.decode_step_ms
-    return cost.contention_impact_ms(occupancy, target.peer_requests)
+    return cost.contention_impact_ms(occupancy, target.peer_requests, target.replica_id)
 
 
 def plan_turn(

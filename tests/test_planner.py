@@ -187,6 +187,22 @@ def test_busy_engines_on_the_same_node_slow_a_target_by_the_measured_factor():
     assert plan.replica_id == "a" and plan.busy_peers == 0
 
 
+def test_each_node_learns_its_own_contention():
+    cost = calibrated(prefill_ms_per_token=0.3)
+    cost.set_nodes({"a": "node-1", "b": "node-1", "c": "node-2", "d": "node-2", "e": "node-3"})
+    for n in (200, 400, 600, 800):  # node-1's engines share cores: twice as slow beside a busy peer
+        cost.observe_prefill(n, 0, 2.0 * cost.recompute_ms(n), busy_peers=1, replica_id="a")
+    for n in (200, 400, 600, 800):  # node-2 has cores to spare: 10% slower
+        cost.observe_prefill(n, 0, 1.1 * cost.recompute_ms(n), busy_peers=1, replica_id="c")
+    assert cost.slowdown(1, "b") == pytest.approx(2.0, rel=0.01)
+    assert cost.slowdown(1, "d") == pytest.approx(1.1, rel=0.01)
+    # A node with no samples of its own is priced by the fleet's fit (both nodes' samples).
+    assert 1.1 < cost.slowdown(1, "e") < 2.0
+    assert cost.contention_impact_ms(100, 1, "b") == pytest.approx(100, rel=0.01)
+    assert cost.contention_impact_ms(100, 1, "d") == pytest.approx(10, rel=0.05)
+    assert set(cost.snapshot()["contention_by_node"]) == {"node-1", "node-2"}
+
+
 def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     from actors.replica_api import ReplicaStats
     from app.turns import InFlight
