@@ -117,29 +117,38 @@ def remote_events(seed: int, worker_ip: str, head_ip: str) -> dict[str, Any]:
 
 
 def kill_worker_mid_conversation(seed: int, worker_ip: str, head_ip: str) -> dict[str, Any]:
-    """A conversation over HTTP whose history is held on the worker node: its replica (actor and engine
-    processes) is SIGKILLed between turns; the next turns must still be answered, as a recompute would answer."""
+    """A conversation whose history is held on the worker node: its replica (actor and engine processes) is
+    SIGKILLed one second into a long turn running there. That turn must still come back whole (continued on the
+    head's replica), and the next turns, over HTTP, must be answered; each as a recompute would answer it."""
     import httpx
     import psutil
+    from ray import serve
 
     rng = random.Random(seed)
     remote = on_node(worker_ip)
     history = tokens(rng, 200)
     first = ingress().turn.remote(history, GREEDY, ("recompute", remote)).result(timeout_s=180)
-    from ray import serve
-
+    history = history + first.token_ids + tokens(rng, 20)
     engines = serve.get_deployment_handle("engines", app_name=APP)
     identity = next(i for i in (engines.identity.remote().result() for _ in range(60)) if i.replica_id == remote)
+    long_turn = {**GREEDY, "max_tokens": 1500}
+    pending = ingress().turn.remote(history, long_turn, ("local", remote))
+    time.sleep(1.0)  # well into its 1500 tokens
     doomed = psutil.Process(identity.pid)
     procs = doomed.children(recursive=True) + [doomed]
     for proc in procs:
         proc.kill()
     psutil.wait_procs(procs, timeout=30)
-    history = history + first.token_ids
+    cut = pending.result(timeout_s=300)
+    cut_reference = ingress().turn.remote(history, long_turn, ("recompute", cut.kvrelay.replica)).result(
+        timeout_s=300)
+    interrupted = {"token_ids": cut.token_ids, "reference": cut_reference.token_ids,
+                   "kvrelay": cut.kvrelay.model_dump()}
+    history = history + cut.token_ids
     answers = []
     with httpx.Client(base_url=f"http://{head_ip}:{os.environ.get('KVRELAY_TWO_NODES_HTTP_PORT', '8000')}",
                       timeout=180) as http:
-        for _ in range(TURNS - 1):
+        for _ in range(TURNS - 2):
             history = history + tokens(rng, 20)
             resp = http.post("/v1/completions",
                              json={"model": MODEL, "prompt": history, "return_token_ids": True, **GREEDY})
@@ -152,7 +161,7 @@ def kill_worker_mid_conversation(seed: int, worker_ip: str, head_ip: str) -> dic
             answers.append({"status": 200, "token_ids": body["choices"][0]["token_ids"],
                             "reference": answer.token_ids, "kvrelay": body["kvrelay"]})
             history = history + answer.token_ids
-    return {"killed": remote, "pid": identity.pid, "answers": answers}
+    return {"killed": remote, "pid": identity.pid, "interrupted": interrupted, "answers": answers}
 
 
 def main() -> None:
