@@ -4,6 +4,7 @@ holds on the leaving replica, up on TTFT alone, no failed turn."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from types import SimpleNamespace
@@ -83,11 +84,12 @@ async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], 
     done, failures, views = 0, [], []
     stop = asyncio.Event()
 
-    async def post(http: httpx.AsyncClient, path: str, body: dict) -> dict | None:
+    async def post(http: httpx.AsyncClient, path: str, body: dict, headers: dict | None = None) -> dict | None:
         nonlocal done
         try:
-            resp = await http.post(f"{app.base_url}{path}", json=dict(body, model="tiny-llama", temperature=0,
-                                                                      max_tokens=MAX_TOKENS, ignore_eos=True))
+            resp = await http.post(f"{app.base_url}{path}", headers=headers,
+                                   json=dict(body, model="tiny-llama", temperature=0, max_tokens=MAX_TOKENS,
+                                             ignore_eos=True))
         except httpx.HTTPError as exc:
             failures.append(f"{path}: {exc!r}")
             return None
@@ -108,13 +110,13 @@ async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], 
         stop.set()
 
     async with httpx.AsyncClient(timeout=120) as http:
-        await asyncio.gather(watch(), *(client(lambda path, body: post(http, path, body), stop) for client in clients))
+        await asyncio.gather(watch(), *(client(functools.partial(post, http), stop) for client in clients))
     return done, failures, views
 
 
-def conversation(worker: int, think_s: float):
+def conversation(worker: int, think_s: float, session: str):
     """A client holding multi-turn chats: each turn resends the history and the reply, plus a short question,
-    `think_s` after the previous answer (a person reading it)."""
+    `think_s` after the previous answer (a person reading it). `session` is its X-Session-Id (a placement hint)."""
 
     async def run(post, stop: asyncio.Event) -> None:
         chat = 0
@@ -124,7 +126,7 @@ def conversation(worker: int, think_s: float):
             for turn in range(8):
                 if stop.is_set():
                     return
-                reply = await post("/v1/chat/completions", {"messages": messages})
+                reply = await post("/v1/chat/completions", {"messages": messages}, {"X-Session-Id": session})
                 if reply is None:
                     return
                 messages += [reply["choices"][0]["message"],
@@ -165,10 +167,19 @@ def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
         time.sleep(0.2)
 
     # Light load: four people reading each answer for a second. Back to back, four conversations on two replicas
-    # kept a slow CI box's first tokens above half the target (150 ms), and the pool never shrank.
+    # kept a slow CI box's first tokens above half the target (150 ms), and the pool never shrank. Two sessions
+    # prefer each replica: on idle replicas the hint decides a new conversation's place, so whichever replica
+    # leaves holds conversations (without hints all four once went to the one that stayed).
+    from app.turns import preferred_replica
+
+    sessions: dict[str, list[str]] = {}
+    for name in (f"reader-{i}" for i in range(200)):
+        sessions.setdefault(preferred_replica(name, start["replicas"]), []).append(name)
+    readers = [name for names in sessions.values() for name in names[:2]]
+    assert len(readers) == 4, sessions
     done, failures, views = asyncio.run(drive(
-        scaling_app, [conversation(i, think_s=1.0) for i in range(4)], lambda view: len(view["replicas"]) == 1,
-        timeout_s=300))
+        scaling_app, [conversation(i, think_s=1.0, session=name) for i, name in enumerate(readers)],
+        lambda view: len(view["replicas"]) == 1, timeout_s=300))
     assert not failures, failures[:3]
     assert len(views[-1]["replicas"]) == 1, "a lightly loaded pool of two did not scale down"
     (left,) = set(start["replicas"]) - set(views[-1]["replicas"])
