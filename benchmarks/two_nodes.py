@@ -3,7 +3,7 @@
     python -m benchmarks.two_nodes --out benchmarks/results/two_nodes.json [--quick] [--model NAME]
 
 Two settings, one after the other, each with two engine replicas of the same model (default: the app's default):
-  within_node  - one Ray node on loopback: NIXL picks UCX's shared-memory transports between the two engines;
+  within_node  - one Ray node on loopback: UCX picks its own transports between the two engines (UCX_TLS unset);
   across_nodes - tests/cluster.py's two Ray nodes in two network namespaces joined by a veth link, one replica per
                  node, UCX on TCP over the link (as between two machines without RDMA).
 For each history length, on fresh conversations, the holder computes the history (one token out), then the other
