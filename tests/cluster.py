@@ -103,7 +103,7 @@ class TwoNodeCluster:
             "RAY_USAGE_STATS_ENABLED": "0",
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
-            # Two nodes on one machine would find each other's shared memory; as on two machines, KV crosses the
+            # Two nodes on one machine could reach each other through shared memory; as on two machines, KV crosses the
             # link: UCX's TCP transport (plus `self` for loopback within a process), on the veth device.
             "UCX_TLS": "tcp,self",
             "UCX_NET_DEVICES": self.links[node],
