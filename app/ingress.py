@@ -111,6 +111,10 @@ class Ingress:
         model_dir = model_path(engine.model)
         self.frontend = Frontend(model_dir, self.model, engine.max_model_len, self.config.openai)
         self.api_keys = load_api_keys(self.config.openai.api_keys)
+        import ray
+
+        # Where this ingress runs (`stats`): on a cluster, the node its placement (`ingress_resources`) chose.
+        self.location = {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
         if not self.api_keys:
             logger.warning("no API keys configured: every endpoint is open to anyone who can reach it "
                            "(set openai.api_keys or %s)", API_KEYS_FILE_ENV)
@@ -472,12 +476,10 @@ class Ingress:
 
     async def stats(self) -> dict[str, Any]:
         """Planner counters, the cost model's current fit, the directory, the replicas and where this ingress runs."""
-        import ray
-
         directory_stats = await self.directory.stats.remote()
         plan_ms = sorted(self.runner.plan_ms)
         return {
-            "ingress": {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()},
+            "ingress": self.location,
             "counters": dict(self.runner.counters),
             "cost_model": self.runner.cost.snapshot(),
             "directory": directory_stats._asdict(),

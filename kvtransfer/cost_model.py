@@ -148,8 +148,8 @@ class CostModel:
         self.kv_bytes = kv_bytes
         self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
-        self.contention = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), window)
         self._window = window
+        self.contention = self._contention_fit()
         # Each node's own slowdown fit, and each replica's node (`set_nodes`).
         self._node_contention: dict[str, OnlineLinearFit] = {}
         self._node_of: dict[str, str] = {}
@@ -184,8 +184,12 @@ class CostModel:
         return self._speed.get(replica_id, 1.0) if replica_id is not None else 1.0
 
     def set_nodes(self, node_of: dict[str, str]) -> None:
-        """Which node each live replica runs on (mutates): contention is learned and priced per node."""
-        self._node_of = dict(node_of)
+        """Which node each live replica runs on (mutates; keeps the caller's dict): contention is learned and priced
+        per node."""
+        self._node_of = node_of
+
+    def _contention_fit(self) -> OnlineLinearFit:
+        return OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), self._window)
 
     def _contention(self, replica_id: str | None) -> OnlineLinearFit:
         """The slowdown fit of `replica_id`'s node once it has enough samples, else the fleet's."""
@@ -253,7 +257,7 @@ class CostModel:
             node = self._node_of.get(replica_id or "")
             if node:
                 if node not in self._node_contention:
-                    self._node_contention[node] = OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), self._window)
+                    self._node_contention[node] = self._contention_fit()
                 self._node_contention[node].observe(*sample)
 
     def observe_decode(self, step_ms: float) -> None:
