@@ -80,7 +80,8 @@ def directory_view(app) -> dict:
 
 async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], list[dict]]:
     """Run the `clients` coroutines (each given an HTTP client and a stop event) until `until(view)` holds for
-    the ingress's view, polled twice a second; returns (turns answered, failures, the views polled)."""
+    the ingress's view, polled twice a second (`until` runs in a thread: it may block); returns (turns answered,
+    failures, the views polled)."""
     done, failures, views = 0, [], []
     stop = asyncio.Event()
 
@@ -104,7 +105,7 @@ async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             views.append(await asyncio.to_thread(directory_view, app))
-            if until(views[-1]):
+            if await asyncio.to_thread(until, views[-1]):
                 break
             await asyncio.sleep(0.5)
         stop.set()
@@ -112,6 +113,23 @@ async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], 
     async with httpx.AsyncClient(timeout=120) as http:
         await asyncio.gather(watch(), *(client(functools.partial(post, http), stop) for client in clients))
     return done, failures, views
+
+
+def serve_view(app_name: str = "scaling") -> dict:
+    """Serve's own state of the app's engine deployment: its replicas by state, and the app's status."""
+    from ray import serve
+
+    app = serve.status().applications[app_name]
+    return {"app": str(app.status), "engines": dict(app.deployments["engines"].replica_states)}
+
+
+def serves_new_replica(app, view: dict, before: list[str]) -> bool:
+    """Whether the pool has grown to two in the directory and Serve routes a call to the replica not in `before`
+    (under load its power-of-two router prefers the idle new replica; a few tries whatever the load)."""
+    if len(view["replicas"]) != 2:
+        return False
+    (grown,) = set(view["replicas"]) - set(before)
+    return any(app.engines.identity.remote().result().replica_id == grown for _ in range(4))
 
 
 def conversation(worker: int, think_s: float, session: str):
@@ -153,19 +171,17 @@ def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
     Down: four conversations keep holds on both replicas while the pool shrinks; the leaving replica leaves the
     directory itself (no heartbeat sweep needed) and every turn is answered, those planned onto it re-routed."""
     assert len(directory_view(scaling_app)["replicas"]) == 1
+    first = directory_view(scaling_app)["replicas"]
+    # The load goes on until Serve routes to the new replica, not just until it reports to the directory (which it
+    # does from its constructor, before Serve marks it running): stopped earlier, the pool could shrink again before
+    # any conversation reached the new replica (a slow CI box once took over 120 s to route to it with no load).
     done, failures, views = asyncio.run(drive(
-        scaling_app, [long_prompts(i) for i in range(6)], lambda view: len(view["replicas"]) == 2, timeout_s=300))
+        scaling_app, [long_prompts(i) for i in range(6)], lambda view: serves_new_replica(scaling_app, view, first),
+        timeout_s=420))
     assert not failures, failures[:3]
     assert len(views[-1]["replicas"]) == 2, "six long prompts at a time on one replica did not scale up on TTFT"
+    assert serves_new_replica(scaling_app, views[-1], first), f"Serve never routed to the new replica: {serve_view()}"
     start = views[-1]
-    # The new replica reports to the directory before Serve routes to it; until it does, turns planned onto it run
-    # on the other (and their conversations stay there). Start the conversations once Serve reaches it.
-    (grown,) = set(start["replicas"]) - set(views[0]["replicas"])
-    # On a slow CI box Serve once took longer than 120 s to route to it after it reported.
-    deadline = time.monotonic() + 300
-    while scaling_app.engines.identity.remote().result().replica_id != grown:
-        assert time.monotonic() < deadline, "Serve never routed to the new replica"
-        time.sleep(0.2)
 
     # Light load: four people reading each answer for a second. Back to back, four conversations on two replicas
     # kept a slow CI box's first tokens above half the target (150 ms), and the pool never shrank. Two sessions
