@@ -175,12 +175,17 @@ def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
     # The load goes on until Serve routes to the new replica, not just until it reports to the directory (which it
     # does from its constructor, before Serve marks it running): stopped earlier, the pool could shrink again before
     # any conversation reached the new replica (a slow CI box once took over 120 s to route to it with no load).
+    routed: list[bool] = []
+
+    def grown_and_routed(view: dict) -> bool:
+        routed.append(serves_new_replica(scaling_app, view, first))
+        return routed[-1]
+
     done, failures, views = asyncio.run(drive(
-        scaling_app, [long_prompts(i) for i in range(6)], lambda view: serves_new_replica(scaling_app, view, first),
-        timeout_s=420))
+        scaling_app, [long_prompts(i) for i in range(6)], grown_and_routed, timeout_s=420))
     assert not failures, failures[:3]
     assert len(views[-1]["replicas"]) == 2, "six long prompts at a time on one replica did not scale up on TTFT"
-    assert serves_new_replica(scaling_app, views[-1], first), f"Serve never routed to the new replica: {serve_view()}"
+    assert routed[-1], f"Serve never routed to the new replica: {serve_view()}"
     start = views[-1]
 
     # Light load: four people reading each answer for a second. Back to back, four conversations on two replicas
