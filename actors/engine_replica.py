@@ -126,6 +126,8 @@ class EngineReplica:
         self.load = EngineStats()
         self.engine = start_engine(self.config, self.model_path, self.site, device_type, self.load.stat_logger)
         self.engine_pids = engine_process_ids(self.engine)
+        # kvrelay's connector reads this engine's own holds by copying blocks in host memory (throttled_nixl.py).
+        self._reads_own_holds = device_type == "cpu"
         self._hold_stepper = None
         if quiet_holds(self.config, device_type):
             self._hold_stepper = HoldStepper(self.engine, nixl.hold_step_s, nixl.hold_ttl_s)
@@ -212,9 +214,14 @@ class EngineReplica:
             yield GenerateDelta(token_ids=[], text="", finished=True, finish_reason=LOAD_FAILED,
                                 replica_id=self.replica_id)
             return
-        if request.pull is not None and request.pull.engine_id == self.engine_id:
-            # Planned for another replica, the turn came here (Serve did not route to that one yet, or any more):
-            # the held KV is this engine's own and its prefix cache serves it; NIXL cannot read from itself.
+        if request.pull is not None and (
+            (request.pull.engine_id == self.engine_id and not self._reads_own_holds)
+            or (request.own_hold and request.pull.engine_id != self.engine_id)
+        ):
+            # Either the held KV is this engine's own (the turn stays here, or Serve routed it here instead of the
+            # planned puller) and this engine's cache is not in host memory: its prefix cache serves all but the
+            # last partial block (NIXL cannot read from itself). Or the turn was to stay on its holder and Serve
+            # could not route it there (the holder is draining or gone): compute here rather than pull from it.
             request = request.model_copy(update={"pull": None})
         params = self._sampling_params(request)
         prompt: Any = (

@@ -63,6 +63,9 @@ class GenerateRequest(BaseModel):
     # Set by the turn runner only, never taken from a client: they name KV blocks another engine holds.
     # `pull`: read this hold's tokens' KV over NIXL, compute the rest of the prompt.
     pull: Hold | None = None
+    # The pull is the target's own hold (a turn that stays on its holder, read in memory): a replica the request
+    # reaches instead (Serve could not route to the target) computes from its own cache rather than pull it.
+    own_hold: bool = False
     # `prefilled` (P/D): the prefill replica computed this whole prompt into this hold; read it and decode.
     prefilled: Hold | None = None
     # Isolates tenants inside the engine's own prefix cache (vLLM's cache_salt).

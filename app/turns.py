@@ -36,7 +36,7 @@ from app.responses import caused_by
 from configs.app import Policy
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
-from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn
+from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn, reads_hold
 from kvtransfer.types import Hold, HoldOffer, LookupResult
 
 logger = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ class TurnRunner:
                 outcome.plan, outcome.pull_failed = plan, False
             self.counters[f"plans_{plan.mode.value}"] += 1
             try:
-                pull = await self._take_hold(rest, plan) if plan.mode is Mode.PULL else None
+                pull = await self._take_hold(rest, plan) if reads_hold(plan) else None
                 sent_before = len(rest.token_ids) - len(turn.token_ids)  # streamed by replicas that died
                 async for delta in self._execute(rest, plan, pull, outcome, started, force):
                     if delta.finished and sent_before:
@@ -353,7 +353,7 @@ class TurnRunner:
                                              outcome, started):
                 yield delta
         elif (force is None and not outcome.migrations and outcome.ttft_ms is not None
-              and (pull is not None or plan.mode is not Mode.PULL)):
+              and (pull is not None or not reads_hold(plan))):
             # The turn ran as planned: teach the planner how far off its estimate was, and how long turns decode.
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
             self.cost.observe_output(outcome.completion_tokens)
@@ -368,6 +368,7 @@ class TurnRunner:
             prompt_token_ids=turn.token_ids,
             params=turn.params,
             pull=pull,
+            own_hold=pull is not None and plan.mode is Mode.LOCAL,
             prefilled=prefilled,
             target_replica=plan.replica_id or None,
             cache_salt=turn.tenant or None,
@@ -429,7 +430,7 @@ class TurnRunner:
                     if records_hold:
                         self._record_hold(turn, turn.token_ids + output, delta)
                     if prefills:
-                        self._learn(plan, request.pull is not None, delta)
+                        self._learn(plan, request.pull is not None and plan.mode is Mode.PULL, delta)
                 yield delta
         finally:
             self.inflight.ended(where, request.request_id)

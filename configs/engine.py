@@ -42,12 +42,16 @@ class NixlSettings(BaseModel):
     # None: the Ray node's IP address, so peers on other hosts can reach it.
     side_channel_host: str | None = None
     # Microseconds NIXL's progress thread sleeps between polls (kvtransfer/throttled_nixl.py). NIXL's own 0 makes
-    # the thread spin a whole core per engine even when idle; 0 here keeps vLLM's connector as it is.
+    # the thread spin a whole core per engine even when idle; 0 keeps NIXL's own (no pause).
     progress_delay_us: int = Field(default=200, ge=0, le=100_000)
     # Seconds between the steps an engine makes only to free held blocks (a finished pull, a release, an
     # expired lease): vLLM steps every millisecond while any hold is pending (actors/lean_engine.py). 0 keeps
     # vLLM's scheduler as it is.
     hold_step_s: float = Field(default=0.25, ge=0, le=5)
+    # The largest share of the KV cache that pending holds may pin: a turn finishing beyond it leaves no hold (its
+    # next turn uses the prefix cache or recomputes). The rest stays free for requests, which would otherwise wait
+    # for a lease to end once holds filled the cache (kvtransfer/throttled_nixl.py).
+    max_held_fraction: float = Field(default=0.5, gt=0, le=1)
 
 
 class EngineConfig(BaseModel):

@@ -39,12 +39,12 @@ from configs.engine import NixlSettings
 def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str) -> dict[str, Any]:
     """The engine's `kv_transfer_config`: NixlConnector, kv_both, bidirectional, buffers on the platform's device.
 
-    With `progress_delay_us`, the connector is vLLM's own subclassed in `kvtransfer.throttled_nixl`.
+    The connector is vLLM's own, subclassed in `kvtransfer.throttled_nixl` (progress thread, hold budget, reads of
+    the engine's own holds).
     """
-    throttled = settings.progress_delay_us > 0
     return {
         "kv_connector": "NixlConnector",
-        "kv_connector_module_path": "kvtransfer.throttled_nixl" if throttled else None,
+        "kv_connector_module_path": "kvtransfer.throttled_nixl",
         "kv_role": "kv_both",
         "kv_buffer_device": settings.kv_buffer_device or device_type,
         "engine_id": engine_id,
@@ -60,6 +60,7 @@ def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str)
             "enforce_handshake_compat": settings.enforce_handshake_compat,
             "kvrelay_progress_delay_us": settings.progress_delay_us,
             "kvrelay_hold_step_s": settings.hold_step_s,
+            "kvrelay_max_held_fraction": settings.max_held_fraction,
         },
     }
 

@@ -101,7 +101,8 @@ class Plan(NamedTuple):
     # Best estimate per mode among the options that exist for this turn.
     estimates_ms: dict[str, float]
     reason: str
-    # PULL: the hold to pull. LOCAL: the target's own hold, made redundant by this turn's new one.
+    # PULL: the hold to pull. LOCAL: the target's own hold of this history, which the turn reads when it reuses
+    # more than the prefix cache has (`reads_own_hold`).
     hold: HoldOffer | None = None
     # Holds of this history the turn makes redundant (it leaves a longer one): release them once it runs.
     superseded: tuple[HoldOffer, ...] = ()
@@ -132,13 +133,17 @@ def _options(
         match = lookup.get(replica.replica_id)
         # vLLM computes at least the last prompt token, so at most num_tokens - 1 can be reused.
         cached = min(match.cached_tokens if match else 0, num_tokens - 1)
+        # The target's own hold of this history: its prefix cache has the full blocks; reading the hold (a copy
+        # inside the engine, no transfer) adds the last partial block.
+        own_hold = match.hold if match is not None else None
+        if own_hold is not None and own_hold.replica_id != replica.replica_id:
+            own_hold = None
+        reused = max(cached, min(own_hold.num_tokens, num_tokens - 1)) if own_hold is not None else cached
         queue = cost.queue_ms(replica.load)
-        compute = cost.recompute_ms(num_tokens - cached, cached, replica.busy_peers, replica.replica_id)
-        mode = Mode.LOCAL if cached > 0 else Mode.RECOMPUTE
-        # A local turn supersedes the target's own hold of this history: the runner releases it after.
-        own_hold = match.hold if match is not None and mode is Mode.LOCAL else None
+        compute = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
+        mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
         ms = queue + compute
-        options.append(Option(mode, replica.replica_id, None, cached, cached,
+        options.append(Option(mode, replica.replica_id, None, reused, cached,
                               cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
                               _impact_ms(replica, compute, output_tokens, cost)))
         for hold in holds:
@@ -236,12 +241,19 @@ def plan_turn(
         hold=chosen.hold,
         superseded=tuple(
             m.hold for m in lookup.matches
-            if m.hold is not None and not (chosen.mode is Mode.PULL and m.hold.hold_id == chosen.hold.hold_id)
+            if m.hold is not None and not (reads_hold(chosen) and m.hold.hold_id == chosen.hold.hold_id)
         ),
         busy_peers=next(r.busy_peers for r in replicas if r.replica_id == chosen.replica_id),
         model_ms=round(chosen.model_ms, 2),
         impact_ms=round(chosen.impact_ms, 2),
     )
+
+
+def reads_hold(plan: Plan | Option) -> bool:
+    """Whether the turn reads `plan.hold`: a pull, or a local turn reusing more than its target's prefix cache has
+    (its own hold's last partial block)."""
+    return plan.hold is not None and (
+        plan.mode is Mode.PULL or (plan.mode is Mode.LOCAL and plan.reused_tokens > plan.cached_tokens))
 
 
 def _fastest(options: Sequence[Option], preferred_replica: str | None) -> Option:
@@ -262,7 +274,7 @@ def _stay_unless_clearly_faster(options: Sequence[Option], fastest: Option) -> O
     stays = [o for o in options if o.mode is Mode.LOCAL]
     if not stays:
         return fastest
-    stay = min(stays, key=lambda o: (-o.cached_tokens, o.cost_ms))
+    stay = min(stays, key=lambda o: (-o.reused_tokens, o.cost_ms))
     if fastest.replica_id == stay.replica_id:
         return fastest
     if fastest.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS:

@@ -174,7 +174,8 @@ def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
     first = directory_view(scaling_app)["replicas"]
     # The load goes on until Serve routes to the new replica, not just until it reports to the directory (which it
     # does from its constructor, before Serve marks it running): stopped earlier, the pool could shrink again before
-    # any conversation reached the new replica (a slow CI box once took over 120 s to route to it with no load).
+    # any conversation reached the new replica. (A CI box once took over 120 s to route to it: the old replica's cache
+    # was full of the long prompts' holds, so no replica had room; holds now pin at most half a cache.)
     routed: list[bool] = []
 
     def grown_and_routed(view: dict) -> bool:

@@ -1,5 +1,6 @@
 """A replica costs only its compute: no worker process spinning beside the engine, no stepping while only holds
-are pending, the model's thread on the replica's own core, and no lost wake-up after idle gaps.
+are pending, the model's thread on the replica's own core, no lost wake-up after idle gaps, and holds that leave
+room for requests.
 
 Each test fails if its fix stops being in force (actors/lean_engine.py, kvtransfer/throttled_nixl.py). CPU use
 is read from the kernel's per-process accounting with wide margins: the broken behaviour costs a whole core.
@@ -110,6 +111,20 @@ def test_short_requests_after_idle_gaps_never_stall(loop_thread, replica):
         run(loop_thread, replica, list(range(400 + i, 440 + i)), 2, export_hold=bool(i % 2))
         slowest = max(slowest, time.monotonic() - started)
     assert slowest < 3.0
+
+
+def test_holds_never_pin_more_than_their_share_of_the_kv_cache(loop_thread, replica):
+    """Without a cap, turns that leave holds filled the cache and every new request waited for a lease to end
+    (tens of seconds, seen in the autoscaling test). Past `max_held_fraction` (0.5) a turn leaves no hold."""
+    time.sleep(HOLD_TTL_S + 1)  # earlier tests' holds have expired
+    share = replica.config.nixl.max_held_fraction
+    held = []
+    for i in range(12):  # 12 x 32 blocks of 1,004 tokens, of 512 blocks: all would fit, half may be held
+        prompt = [100 + (7 * i + j) % 900 for j in range(1000)]
+        held.append(run(loop_thread, replica, prompt, 4, export_hold=True)[-1].hold is not None)
+    usage = loop_thread.run(replica.stats()).kv_cache_usage
+    assert held[:4] == [True] * 4 and not all(held), held
+    assert sum(held) <= 8 and usage <= share + 0.05, (held, usage)
 
 
 ORPHAN_SCRIPT = """

@@ -99,6 +99,26 @@ def test_a_turn_stays_with_its_history_unless_moving_clearly_pays():
         "b", Mode.PULL)
 
 
+def test_a_lone_conversation_stays_on_its_holder_and_reads_its_whole_hold():
+    """The holder's prefix cache has only the full blocks of the history; its own hold also has the last partial
+    block. Counting only the cache, pulling everything to the idle neighbour looked faster (here 21 tokens at
+    2.7 ms each), and a lone conversation moved on every turn. The holder reads its own hold instead."""
+    from kvtransfer.planner import reads_hold
+
+    cost = calibrated(prefill_ms_per_token=2.7, pull_fixed_ms=8.0)
+    held, full_blocks = 1013, 992
+    history = lookup(held + 40, ReplicaMatch("a", held, "hold", full_blocks, hold("a", held)))
+    idle = [ReplicaView("a"), ReplicaView("b")]
+    plan = plan_turn(held + 40, history, idle, cost)
+    assert (plan.replica_id, plan.mode, plan.reused_tokens, plan.cached_tokens) == ("a", Mode.LOCAL, held, full_blocks)
+    assert reads_hold(plan) and plan.hold.replica_id == "a" and not plan.superseded
+    assert plan.estimates_ms["local"] < plan.estimates_ms["pull"]
+    # A hold that adds nothing to the cache is not read (only released once the turn has run).
+    whole = lookup(held + 40, ReplicaMatch("a", held, "hold", held, hold("a", held)))
+    plan = plan_turn(held + 40, whole, idle, cost)
+    assert plan.mode is Mode.LOCAL and not reads_hold(plan) and plan.superseded == (plan.hold,)
+
+
 def test_crossover_moves_with_the_measured_link_not_a_fixed_threshold():
     fast_link = calibrated(pull_fixed_ms=5.0, gb_s=5.0)
     slow_link = calibrated(pull_fixed_ms=200.0, gb_s=0.05)

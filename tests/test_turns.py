@@ -28,14 +28,17 @@ def user_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def converse(app: ServedApp, mode: str, seed: int) -> list[list[int]]:
-    """A 4-turn conversation; `mode` "pull" alternates replicas and pulls, "recompute" recomputes all."""
+    """A 4-turn conversation; `mode` "pull" alternates replicas and pulls, "stay" keeps every turn on the replica
+    holding the history (which reads its own hold), "recompute" recomputes all."""
     rng = random.Random(seed)
     replicas = app.replica_ids(2)
     history = user_tokens(rng, 150)
     replies = []
+    held = 0
     for turn in range(TURNS):
-        target = replicas[turn % 2]
-        force = ("recompute" if mode == "recompute" or turn == 0 else "pull", target)
+        target = replicas[0] if mode == "stay" else replicas[turn % 2]
+        later = {"pull": "pull", "stay": "local"}.get(mode, "recompute")
+        force = ("recompute" if turn == 0 else later, target)
         result = app.ingress.turn.remote(history, GREEDY, force).result(timeout_s=120)
         assert result.kvrelay.mode == force[0], result.kvrelay
         assert result.kvrelay.replica == target
@@ -43,13 +46,21 @@ def converse(app: ServedApp, mode: str, seed: int) -> list[list[int]]:
             assert result.kvrelay.holder == replicas[(turn - 1) % 2]
             # The engine reports the pulled tokens as cached: all but the last token of the prior turn.
             assert result.usage.cached_tokens >= len(history) - 40
+        if force[0] == "local":
+            # Every held token, the last partial block included: its own hold, read in memory.
+            assert result.usage.cached_tokens == result.kvrelay.reused_tokens == held, result.kvrelay
         replies.append(result.token_ids)
+        held = len(history) + len(result.token_ids) - 1
         history = history + result.token_ids + user_tokens(rng, 20)
     return replies
 
 
 def test_pulls_give_the_same_tokens_as_recompute_on_tiny_llama(tiny_app):
     assert converse(tiny_app, "pull", seed=1) == converse(tiny_app, "recompute", seed=1)
+
+
+def test_turns_that_stay_on_the_holder_give_the_same_tokens_as_recompute(tiny_app):
+    assert converse(tiny_app, "stay", seed=7) == converse(tiny_app, "recompute", seed=7)
 
 
 def test_planner_reuses_the_history_on_its_own(tiny_app):
@@ -86,10 +97,18 @@ def direct_replica(model: str, core: int, hold_key: str = KEY) -> EngineReplica:
         nixl=NixlSettings(enforce_handshake_compat=False), cpu_core_offset=core), hold_key=hold_key)
 
 
-def generate(loop_thread, replica: EngineReplica, ids: list[int], pull=None, own_kv_only=False):
+def generate(loop_thread, replica: EngineReplica, ids: list[int], pull=None, own_kv_only=False, own_hold=False):
     req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, params=Sampling(**GREEDY).to_params(),
-                          pull=pull, export_hold=not own_kv_only, skip_prefix_cache=own_kv_only)
+                          pull=pull, own_hold=own_hold, export_hold=not own_kv_only, skip_prefix_cache=own_kv_only)
     return loop_thread.run(collect(replica.generate(req)))
+
+
+def first_turn(loop_thread, holder: EngineReplica, rng: random.Random, prompt_tokens: int):
+    """A first turn on `holder`: its hold, its reply, and the next turn's prompt (history plus 20 new tokens)."""
+    prompt = user_tokens(rng, prompt_tokens)
+    turn = generate(loop_thread, holder, prompt)
+    reply = [t for d in turn for t in d.token_ids]
+    return turn[-1].hold, reply, prompt + reply + user_tokens(rng, 20)
 
 
 def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
@@ -97,12 +116,8 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
     holder, puller = direct_replica("tiny-llama-alt", 0), direct_replica("tiny-llama", 1)
     try:
         rng = random.Random(5)
-        prompt = user_tokens(rng, 200)
-        turn1 = generate(loop_thread, holder, prompt)
-        hold = turn1[-1].hold
-        out1 = [t for d in turn1 for t in d.token_ids]
-        assert hold.num_tokens == len(prompt) + len(out1) - 1
-        follow_up = prompt + out1 + user_tokens(rng, 20)
+        hold, reply, follow_up = first_turn(loop_thread, holder, rng, 200)
+        assert hold.num_tokens == 200 + len(reply) - 1
         pulled = generate(loop_thread, puller, follow_up, pull=hold)
         # The puller's prefix cache now holds the pulled blocks: compute its own answer from scratch.
         own = generate(loop_thread, puller, follow_up, own_kv_only=True)
@@ -117,16 +132,13 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
     """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, a seal
     from another app, or tokens that differ from the prompt's is refused before any read (a failed pull, which the
     turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read
-    (by another replica; sent to the holder itself, its own cache serves it)."""
+    (by another replica, once; by the holder itself, in memory)."""
     from actors.replica_api import HoldRelease, InvalidRequestError
 
     holder, puller = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
     try:
         rng = random.Random(9)
-        prompt = user_tokens(rng, 200)
-        turn1 = generate(loop_thread, holder, prompt)
-        hold = turn1[-1].hold
-        follow_up = prompt + [t for d in turn1 for t in d.token_ids] + user_tokens(rng, 20)
+        hold, _, follow_up = first_turn(loop_thread, holder, rng, 200)
         edited = list(follow_up)
         edited[50] = edited[50] + 1  # one token of the held history differs
         forged = {
@@ -145,11 +157,27 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         # Nothing was read: the genuine hold is still whole and pulls every token it holds.
         pulled = generate(loop_thread, puller, follow_up, pull=hold)
         assert pulled[-1].finish_reason != "error" and pulled[-1].num_cached_tokens == hold.num_tokens
-        # A turn planned to pull onto another replica that Serve sent to the holder itself (the target was not
-        # routable yet): NIXL cannot read from its own engine; the holder's prefix cache serves the history.
-        own = generate(loop_thread, holder, follow_up, pull=hold)
-        assert own[-1].finish_reason != "error" and own[-1].num_cached_tokens > hold.num_tokens // 2
-        assert [t for d in own for t in d.token_ids] == [t for d in pulled for t in d.token_ids]
+        # A turn that stays on the holder reads its own hold in memory: every held token, the last partial block
+        # included, which vLLM's prefix cache does not keep (counting only the cache, pulling the history away looked
+        # faster and a lone conversation moved on every turn). The answer is the one computed from scratch.
+        own, _, follow_own = first_turn(loop_thread, holder, rng, 203)
+        assert own.num_tokens % holder.config.block_size, "the check needs a partial last block"
+        stays = generate(loop_thread, holder, follow_own, pull=own)
+        assert stays[-1].finish_reason != "error" and stays[-1].num_cached_tokens == own.num_tokens
+        scratch = generate(loop_thread, puller, follow_own, own_kv_only=True)
+        assert scratch[-1].num_cached_tokens == 0
+        assert [t for d in stays for t in d.token_ids] == [t for d in scratch for t in d.token_ids]
+        # A turn meant to stay on its holder that Serve sends elsewhere (the holder is draining) is computed there,
+        # never pulled from the holder.
+        again = stays[-1].hold
+        moved = generate(loop_thread, puller, follow_own + [t for d in stays for t in d.token_ids] + [7] * 20,
+                         pull=again, own_hold=True)
+        assert moved[-1].finish_reason != "error" and moved[-1].num_cached_tokens < again.num_tokens
+        # Read once: the puller's notice frees a hold at the holder's next step (within nixl.hold_step_s), after
+        # which the holder itself can no longer read it.
+        time.sleep(4 * holder.config.nixl.hold_step_s)
+        gone = generate(loop_thread, holder, follow_up, pull=hold)
+        assert gone[-1].finish_reason == "error" and not gone[-1].token_ids
     finally:
         holder.engine.shutdown()
         puller.engine.shutdown()

@@ -23,6 +23,10 @@ def test_pulls_give_the_same_tokens_as_recompute_on_gemma3n_with_fast_prefill(ge
     assert converse(gemma_app, "pull", seed=2) == converse(gemma_app, "recompute", seed=2)
 
 
+def test_turns_that_stay_on_the_holder_give_the_same_tokens_as_recompute_on_gemma3n(gemma_app):
+    assert converse(gemma_app, "stay", seed=3) == converse(gemma_app, "recompute", seed=3)
+
+
 def test_prompt_logprobs_on_a_fast_prefill_deployment_is_a_400(gemma_app):
     import httpx
 
