@@ -39,6 +39,8 @@ VLLM_PULL_THRESHOLD = 64
 # a transfer, a second copy of the KV and the stay replica's warm cache for the next turn.
 STAY_MARGIN = 0.10
 STAY_MARGIN_MS = 5.0
+# Engine steps a read of a hold adds before the reading request's prefill runs (`_read_wait_ms`).
+READ_STEPS = 1
 
 
 class ReplicaView(NamedTuple):
@@ -138,14 +140,15 @@ def _options(
         own_hold = match.hold if match is not None else None
         if own_hold is not None and own_hold.replica_id != replica.replica_id:
             own_hold = None
-        reused = max(cached, min(own_hold.num_tokens, num_tokens - 1)) if own_hold is not None else cached
         queue = cost.queue_ms(replica.load)
-        compute = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
-        mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
-        ms = queue + compute
-        options.append(Option(mode, replica.replica_id, None, reused, cached,
-                              cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
-                              _impact_ms(replica, compute, output_tokens, cost)))
+        # From the prefix cache alone; and, where the target's own hold has more, reading that too.
+        for reused in sorted({cached, max(cached, min(own_hold.num_tokens, num_tokens - 1)) if own_hold else cached}):
+            compute = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
+            mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
+            ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
+            options.append(Option(mode, replica.replica_id, None, reused, cached,
+                                  cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
+                                  _impact_ms(replica, compute, output_tokens, cost)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -154,11 +157,19 @@ def _options(
             if met is not None and (replica.replica_id, hold.replica_id) not in met:
                 transfer += cost.handshake_ms  # the target's first pull from this holder
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
-            ms = queue + transfer + rest
+            ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
                                   cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms,
                                   _impact_ms(replica, rest, output_tokens, cost)))
     return options
+
+
+def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
+    """What reading a hold adds on `target` besides the transfer: vLLM parks the reading request, starts the read
+    in its next step and schedules the prefill only in a step after the read is done. On an idle engine such a
+    step is a millisecond; on a busy one it is a decode step of the batch there (measured under a multi-turn load:
+    local turns reading their own hold took about a decode step longer than turns using the prefix cache alone)."""
+    return 0.0 if target.idle else READ_STEPS * cost.decode_step_ms
 
 
 def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel) -> float:
@@ -274,7 +285,9 @@ def _stay_unless_clearly_faster(options: Sequence[Option], fastest: Option) -> O
     stays = [o for o in options if o.mode is Mode.LOCAL]
     if not stays:
         return fastest
-    stay = min(stays, key=lambda o: (-o.reused_tokens, o.cost_ms))
+    most = max(o.reused_tokens for o in stays)
+    homes = {o.replica_id for o in stays if o.reused_tokens == most}
+    stay = min((o for o in stays if o.replica_id in homes), key=lambda o: o.cost_ms)
     if fastest.replica_id == stay.replica_id:
         return fastest
     if fastest.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS:

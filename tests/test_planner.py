@@ -119,6 +119,29 @@ def test_a_lone_conversation_stays_on_its_holder_and_reads_its_whole_hold():
     assert plan.mode is Mode.LOCAL and not reads_hold(plan) and plan.superseded == (plan.hold,)
 
 
+def test_a_busy_holder_reads_its_own_hold_only_when_the_partial_block_outweighs_a_step():
+    """Reading a hold costs the reading request an engine step before its prefill; on a busy engine that is a decode
+    step of the batch (under a multi-turn load, local turns reading their own hold were a step slower than turns
+    from the prefix cache alone). Busy, a short partial block is recomputed; a long one is still read."""
+    from kvtransfer.planner import reads_hold
+
+    cost = calibrated(prefill_ms_per_token=2.7, pull_fixed_ms=8.0)
+    cost.decode_step_ms = 60.0
+    full_blocks = 992
+    busy = [ReplicaView("a", running=3), ReplicaView("b", running=3)]
+    for partial, read in ((5, False), (31, True)):
+        held = full_blocks + partial
+        history = lookup(held + 40, ReplicaMatch("a", held, "hold", full_blocks, hold("a", held)))
+        plan = plan_turn(held + 40, history, busy, cost)
+        assert (plan.replica_id, plan.mode) == ("a", Mode.LOCAL), plan
+        assert reads_hold(plan) is read and plan.reused_tokens == (held if read else full_blocks), plan
+    # Idle, the step is free: even 5 tokens are worth reading.
+    held = full_blocks + 5
+    plan = plan_turn(held + 40, lookup(held + 40, ReplicaMatch("a", held, "hold", full_blocks, hold("a", held))),
+                     [ReplicaView("a"), ReplicaView("b")], cost)
+    assert reads_hold(plan) and plan.reused_tokens == held
+
+
 def test_crossover_moves_with_the_measured_link_not_a_fixed_threshold():
     fast_link = calibrated(pull_fixed_ms=5.0, gb_s=5.0)
     slow_link = calibrated(pull_fixed_ms=200.0, gb_s=0.05)
