@@ -104,7 +104,7 @@ class Plan(NamedTuple):
     estimates_ms: dict[str, float]
     reason: str
     # PULL: the hold to pull. LOCAL: the target's own hold of this history, which the turn reads when it reuses
-    # more than the prefix cache has (`reads_own_hold`).
+    # more than the prefix cache has (`reads_hold`) and otherwise releases once it has run.
     hold: HoldOffer | None = None
     # Holds of this history the turn makes redundant (it leaves a longer one): release them once it runs.
     superseded: tuple[HoldOffer, ...] = ()
@@ -142,7 +142,8 @@ def _options(
             own_hold = None
         queue = cost.queue_ms(replica.load)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
-        for reused in sorted({cached, max(cached, min(own_hold.num_tokens, num_tokens - 1)) if own_hold else cached}):
+        own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
+        for reused in (cached, own) if own > cached else (cached,):
             compute = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)

@@ -152,13 +152,13 @@ class NixlConnector(NixlPullConnector):
         hold, params = decision
         if not hold:
             return decision
-        blocks = sum(len(group) for group in block_ids)
-        if sum(self._held_blocks.values()) + blocks > self._hold_budget:
+        blocks, held = sum(len(group) for group in block_ids), sum(self._held_blocks.values())
+        if held + blocks > self._hold_budget:
             # Undo vLLM's hold as its abort path does: no lease for the worker, which stops tracking the request.
             self.connector_scheduler._reqs_need_send.pop(request.request_id, None)
             self.connector_scheduler._reqs_not_processed.add(request.request_id)
-            logger.debug("request %s leaves no hold: holds pin %d of %d blocks allowed", request.request_id,
-                         sum(self._held_blocks.values()), self._hold_budget)
+            logger.debug("request %s leaves no hold: holds pin %d of %d blocks allowed", request.request_id, held,
+                         self._hold_budget)
             return False, None
         self._held_blocks[request.request_id] = blocks
         return decision
