@@ -16,7 +16,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 unexport RAY_ADDRESS
 
-.PHONY: setup models serve test lint bench clean
+.PHONY: setup models serve test lint aiperf clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,5 +55,16 @@ test: models
 lint: setup
 	$(BIN)/ruff check app actors kvtransfer configs model_prep tests benchmarks
 
+# NVIDIA's aiperf (PyPI) for `python -m benchmarks.aiperf_multi_turn`, in an environment of its own: its
+# dependencies (dash, kubernetes, optuna, ...) are not kvrelay's. Pinned: the driver reads its export format.
+AIPERF_VENV := .venv-aiperf
+AIPERF_VERSION := 0.13.0
+
+$(AIPERF_VENV)/bin/aiperf:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q "aiperf==$(AIPERF_VERSION)"
+
+aiperf: $(AIPERF_VENV)/bin/aiperf
+
 clean:
-	rm -rf $(VENV) .data
+	rm -rf $(VENV) $(AIPERF_VENV) .data

@@ -420,15 +420,21 @@ def load_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig.model_validate(config.model_dump())
 
 
-async def benchmark(base_url: str, model: str, rounds: list[list[Conversation]], config: BenchConfig,
-                    run_id: str) -> tuple[dict[str, dict[str, Any]], list[RequestRecord]]:
-    """Every policy over each round's conversations (see `BenchConfig.rounds`); summaries pool the rounds."""
-    # Warm-up under its own tenant: engines, NIXL handshakes and the ingress's cost model see traffic first.
-    warm = [c.model_copy(update={"user_messages": c.user_messages[:2]}) for c in rounds[0][:2]]
+async def warm_up(base_url: str, model: str, conversations: list[Conversation], config: BenchConfig,
+                  run_id: str) -> None:
+    """Two short conversations under a tenant of their own, so engines, NIXL handshakes and the ingress's cost
+    model see traffic before anything is measured; then the configured settle time."""
+    warm = [c.model_copy(update={"user_messages": c.user_messages[:2]}) for c in conversations[:2]]
     for policy in ("round_robin", "kvrelay"):
         await run_policy(base_url, model, policy, warm, config.model_copy(update={"concurrency": 2}),
                          f"{run_id}-warmup")
     await asyncio.sleep(config.settle_s)
+
+
+async def benchmark(base_url: str, model: str, rounds: list[list[Conversation]], config: BenchConfig,
+                    run_id: str) -> tuple[dict[str, dict[str, Any]], list[RequestRecord]]:
+    """Every policy over each round's conversations (see `BenchConfig.rounds`); summaries pool the rounds."""
+    await warm_up(base_url, model, rounds[0], config, run_id)
     records_of: dict[str, list[RequestRecord]] = {p: [] for p in config.policies}
     wall_of: dict[str, float] = dict.fromkeys(config.policies, 0.0)
     for number, conversations in enumerate(rounds):

@@ -1,0 +1,225 @@
+"""The multi-turn benchmark driven by NVIDIA's `aiperf` (PyPI) instead of kvrelay's own client.
+
+    make aiperf        # once: aiperf in a virtual environment of its own (.venv-aiperf)
+    python -m benchmarks.aiperf_multi_turn --out benchmarks/results/aiperf_multi_turn.json [--quick]
+                                           [--config FILE] [--policies a,b] [--base-url URL]
+
+The conversations are `benchmarks.multi_turn`'s (same config files, same seed), written as an aiperf
+`multi_turn` dataset: the shared system prompt, each conversation's opening document and user messages, the
+think time as each later turn's delay. aiperf sends every turn with the whole history, the replies it
+captured included (its multi-turn mode), streams, and measures time to first token itself; this script only
+starts the app, runs aiperf once per policy (policy header, an API key per policy so no policy reuses KV
+another left behind, the conversation id as `x-session-id`) and reads aiperf's own JSON export.
+Output lengths are aiperf's: its mean and standard deviation are set from the config's output span.
+
+aiperf lives in its own environment because its dependencies (dash, kubernetes, optuna, ...) are not kvrelay's;
+`--aiperf PATH` points at another installation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO_ROOT
+from benchmarks.multi_turn import (
+    BenchConfig,
+    Conversation,
+    load_config,
+    percentile,
+    synthetic_conversations,
+    targets,
+    warm_up,
+    word_pool,
+)
+
+DEFAULT_AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
+
+
+def dataset_lines(conversations: list[Conversation], config: BenchConfig) -> list[str]:
+    """aiperf's multi_turn JSONL: one line per conversation; a leading system turn becomes its system message."""
+    lines = []
+    for conv in conversations:
+        turns: list[dict[str, Any]] = [{"role": "system", "text": conv.system}] if conv.system else []
+        for i, user in enumerate(conv.user_messages):
+            turn: dict[str, Any] = {"text": user}
+            if i and config.think_time_s:
+                turn["delay"] = round(config.think_time_s * 1e3)
+            turns.append(turn)
+        lines.append(json.dumps({"session_id": conv.conv_id, "turns": turns}))
+    return lines
+
+
+def aiperf_command(aiperf: Path, base_url: str, model: str, tokenizer_dir: Path, dataset: Path, artifacts: Path,
+                   policy: str, api_key: str, config: BenchConfig, conversations: int, seed: int) -> list[str]:
+    osl_mean = (config.output_tokens.min + config.output_tokens.max) / 2
+    # The standard deviation of the uniform span the built-in client draws from.
+    osl_stddev = (config.output_tokens.max - config.output_tokens.min) / math.sqrt(12)
+    return [
+        str(aiperf), "profile",
+        "--model", model, "--tokenizer", str(tokenizer_dir),
+        "--url", base_url, "--endpoint-type", "chat", "--streaming",
+        "--api-key", api_key, "--header", f"x-kvrelay-policy:{policy}", "--session-header", "x-session-id",
+        "--input-file", str(dataset), "--custom-dataset-type", "multi_turn",
+        "--conversation-num", str(conversations), "--concurrency", str(config.concurrency),
+        "--output-tokens-mean", f"{osl_mean:g}", "--output-tokens-stddev", f"{osl_stddev:.2f}",
+        "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
+        "--request-timeout-seconds", f"{config.request_timeout_s:g}",
+        "--random-seed", str(seed), "--artifact-dir", str(artifacts), "--ui-type", "none", "--no-auto-plot",
+    ]
+
+
+def read_export(artifacts: Path) -> dict[str, Any]:
+    """aiperf's summary: the metric records of its JSON export, keyed by tag."""
+    exports = sorted(artifacts.rglob("profile_export_aiperf.json"))
+    if not exports:
+        raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json under {artifacts}")
+    return json.loads(exports[-1].read_text())
+
+
+def ttft_by_turn(artifacts: Path) -> dict[str, float | None]:
+    """Median TTFT per turn index, from aiperf's per-request export (first turns compute a whole document)."""
+    by_turn: dict[int, list[float]] = {}
+    for path in artifacts.rglob("profile_export.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            ttft = ((record.get("metrics") or {}).get("time_to_first_token") or {}).get("value")
+            turn = (record.get("metadata") or {}).get("turn_index")
+            if ttft is not None and turn is not None:
+                by_turn.setdefault(turn, []).append(ttft)
+    return {str(t): percentile(v, 0.5) for t, v in sorted(by_turn.items())}
+
+
+def summary_of(export: dict[str, Any]) -> dict[str, Any]:
+    """The figures this benchmark compares, from aiperf's export (milliseconds as aiperf reports them)."""
+    ttft = export.get("time_to_first_token") or {}
+    count = (export.get("request_count") or {}).get("avg")
+    errors = (export.get("error_request_count") or {}).get("avg", 0)
+    return {
+        "ttft_ms": {q: ttft.get(q) for q in ("p50", "p90", "p99")} | {"mean": ttft.get("avg")},
+        "inter_token_latency_ms_p50": (export.get("inter_token_latency") or {}).get("p50"),
+        "request_latency_ms_p50": (export.get("request_latency") or {}).get("p50"),
+        "requests": int(count or 0),
+        "errors": int(errors or 0),
+        "unit": ttft.get("unit"),
+    }
+
+
+def markdown_table(policies: dict[str, dict[str, Any]]) -> str:
+    lines = ["| policy | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | TTFT mean (ms) | ITL p50 (ms) | requests | "
+             "errors |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def fmt(value: Any) -> str:
+        return f"{value:.1f}" if isinstance(value, (int, float)) else str(value)
+
+    for name, s in policies.items():
+        t = s["ttft_ms"]
+        lines.append(f"| {name} | {fmt(t['p50'])} | {fmt(t['p90'])} | {fmt(t['p99'])} | {fmt(t['mean'])} | "
+                     f"{fmt(s['inter_token_latency_ms_p50'])} | {fmt(s['requests'])} | {fmt(s['errors'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="the CPU default workload (as benchmarks.multi_turn)")
+    parser.add_argument("--config", type=Path, help="a BenchConfig as JSON (see benchmarks/configs/)")
+    parser.add_argument("--base-url", help="a running kvrelay app (default: start one here)")
+    parser.add_argument("--policies", help="comma-separated subset of the config's policies")
+    parser.add_argument("--rounds", type=int, help="runs of every policy, in alternating order (default: config's)")
+    parser.add_argument("--aiperf", type=Path, default=DEFAULT_AIPERF, help="the aiperf executable")
+    args = parser.parse_args()
+    config = load_config(args)
+    if not args.aiperf.exists():
+        sys.exit(f"aiperf not found at {args.aiperf}: run `make aiperf` (or pass --aiperf)")
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import start_app, stop_app
+    from configs.models import DEFAULT_MODEL
+    from model_prep.store import model_path
+
+    model = config.model or DEFAULT_MODEL
+    tokenizer_dir = Path(model_path(model))
+    words = word_pool(AutoTokenizer.from_pretrained(tokenizer_dir))
+    rounds = [synthetic_conversations(config, words, config.seed + r) for r in range(config.rounds)]
+    work = args.out.with_suffix("").with_name(args.out.stem + "_aiperf")
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    run_id = f"{started:.0f}"
+    app = None
+    base_url = args.base_url
+    if base_url is None:
+        print(f"starting kvrelay: {model} on {config.num_replicas} replicas", flush=True)
+        app = start_app(model, config.num_replicas, config.pool, throughput_optimized=True, **config.engine)
+        base_url = app.direct_url or app.base_url
+    runs: list[dict[str, Any]] = []
+    try:
+        asyncio.run(warm_up(base_url, model, rounds[0], config, run_id))
+        for number, conversations in enumerate(rounds):
+            dataset = work / f"round{number}.jsonl"
+            dataset.write_text("\n".join(dataset_lines(conversations, config)) + "\n")
+            for policy in config.policies if number % 2 == 0 else config.policies[::-1]:
+                artifacts = work / f"round{number}_{policy}"
+                command = aiperf_command(args.aiperf, base_url, model, tokenizer_dir, dataset, artifacts, policy,
+                                         f"aiperf-{run_id}-r{number}-{policy}", config, len(conversations),
+                                         config.seed + number)
+                print(f"round {number} policy {policy}: aiperf over {len(conversations)} conversations", flush=True)
+                # aiperf's offline mode takes a tokenizer path for a hub repo id and fails; a local folder needs
+                # no network anyway (aiperf resolves no alias for a path).
+                env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+                done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+                (artifacts.with_suffix(".log")).write_text(done.stdout + done.stderr)
+                if done.returncode != 0:
+                    raise RuntimeError(f"aiperf failed ({done.returncode}) for {policy}; see "
+                                       f"{artifacts.with_suffix('.log')}:\n{(done.stdout + done.stderr)[-2000:]}")
+                summary = summary_of(read_export(artifacts)) | {"ttft_ms_p50_by_turn": ttft_by_turn(artifacts)}
+                runs.append({"round": number, "policy": policy, **summary})
+                print(f"round {number} policy {policy}: {json.dumps(summary['ttft_ms'])}", flush=True)
+                time.sleep(config.settle_s)
+    finally:
+        if app is not None:
+            stop_app(app)
+    # One round: aiperf's figures as they are. Several: the median over rounds of each figure.
+    policies: dict[str, dict[str, Any]] = {}
+    for policy in config.policies:
+        mine = [r for r in runs if r["policy"] == policy]
+        policies[policy] = mine[0] if len(mine) == 1 else {
+            "ttft_ms": {q: sorted(r["ttft_ms"][q] for r in mine)[len(mine) // 2] for q in ("p50", "p90", "p99",
+                                                                                          "mean")},
+            "inter_token_latency_ms_p50": sorted(r["inter_token_latency_ms_p50"] for r in mine)[len(mine) // 2],
+            "request_latency_ms_p50": sorted(r["request_latency_ms_p50"] for r in mine)[len(mine) // 2],
+            "requests": sum(r["requests"] or 0 for r in mine),
+            "errors": sum(r["errors"] or 0 for r in mine),
+            "unit": mine[0]["unit"],
+        }
+    result = {
+        "driver": {"aiperf": subprocess.run([str(args.aiperf), "--version"], capture_output=True,
+                                            text=True).stdout.strip() or str(args.aiperf)},
+        "config": config.model_dump() | {"model": model},
+        "policies": policies,
+        "runs": runs,
+        "targets": targets(policies),
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seconds": round(time.time() - started, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown_table(policies)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    print(json.dumps(result["targets"], indent=2))
+    print("written", args.out)
+
+
+if __name__ == "__main__":
+    main()
