@@ -69,6 +69,8 @@ class DisaggregatedTurnRunner(TurnRunner):
             async for delta in self._run_on_prefill_pool(turn, plan, outcome, started, skip_cache):
                 yield delta
             return
+        # The plan estimated P's time to its token (where the history came from decides it): learn its error.
+        self._observe_error(plan, pull, outcome, force)
         outcome.ttft_ms = None  # P's token is not shown: the client's first token comes from D
         reused = prefilled[-1].num_cached_tokens
         decode_plan = plan._replace(replica_id="")

@@ -352,11 +352,18 @@ class TurnRunner:
             async for delta in self._attempt(turn, plan, self._request(turn, plan, "turn", skip_cache=skip_cache),
                                              outcome, started):
                 yield delta
-        elif (force is None and not outcome.migrations and outcome.ttft_ms is not None
-              and (pull is not None or not reads_hold(plan))):
-            # The turn ran as planned: teach the planner how far off its estimate was, and how long turns decode.
+        elif self._observe_error(plan, pull, outcome, force):
+            self.cost.observe_output(outcome.completion_tokens)  # how long turns decode
+
+    def _observe_error(self, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
+                       force: tuple[Mode, str] | None) -> bool:
+        """If the turn's first stage ran as planned (not forced, not moved, no failed or skipped read), teach the
+        planner how far off its estimate of that stage's time to first token was; returns whether it did."""
+        if (force is None and not outcome.migrations and not outcome.pull_failed and outcome.ttft_ms is not None
+                and (pull is not None or not reads_hold(plan))):
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
-            self.cost.observe_output(outcome.completion_tokens)
+            return True
+        return False
 
     def _request(
         self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, prefilled: Hold | None = None,

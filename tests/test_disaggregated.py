@@ -50,3 +50,7 @@ def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disag
         # The decoder's hold covers this turn's prompt and output but the last sampled token (no KV yet).
         held = len(history) + len(result.token_ids) - 1
         history = history + result.token_ids + user_tokens(rng, 20)
+    # The first turn ran as planned: its prefill stage taught the planner how far off its estimate was (forced
+    # turns teach nothing), as aggregated turns do.
+    errors = disagg_app.ingress.stats.remote().result()["cost_model"]["estimate_error"]
+    assert sum(kind["samples"] for kind in errors.values()) >= 1, errors
