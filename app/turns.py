@@ -149,6 +149,14 @@ class InFlight:
             arrivals.popleft()
         return len(arrivals) / self.RATE_WINDOW_S
 
+    def moved(self, from_replica: str, to_replica: str, request_id: str) -> None:
+        """The request runs on `to_replica`, not where it was accounted (Serve chose: a P/D decode stage, or a
+        target Serve no longer routes to): count it there from now on, so the replica's heartbeats are reconciled
+        with it and its end is seen."""
+        entry = self._requests.get(from_replica, {}).pop(request_id, None)
+        if entry is not None:
+            self._requests.setdefault(to_replica, {})[request_id] = entry
+
     def first_token(self, replica_id: str, request_id: str) -> None:
         entry = self._requests.get(replica_id, {}).get(request_id)
         if entry is not None:
@@ -403,11 +411,15 @@ class TurnRunner:
         engines = self.engines if engines is None else engines
         reads_kv = request.pull is not None or request.prefilled is not None
         output: list[int] = []
-        # Accounted on the planned replica; if Serve had to route elsewhere, the next heartbeat corrects it.
+        # Accounted on the planned replica (none for a P/D decode stage: Serve chooses), and moved to the one that
+        # answers: that replica's heartbeats then count this request as this ingress's own, ended when it ends.
         where = plan.replica_id
         self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
         try:
             async for delta in engines.options(stream=True).generate.remote(request):
+                if delta.replica_id and delta.replica_id != where:
+                    self.inflight.moved(where, delta.replica_id, request.request_id)
+                    where = delta.replica_id
                 if delta.finished and reads_kv and is_load_failure(delta.finish_reason):
                     # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
                     logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)

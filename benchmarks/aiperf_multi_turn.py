@@ -40,6 +40,8 @@ from benchmarks.multi_turn import (
     targets,
     warm_up,
     word_pool,
+    workload_arguments,
+    write_results,
 )
 
 DEFAULT_AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
@@ -137,12 +139,7 @@ def markdown_table(policies: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--quick", action="store_true", help="the CPU default workload (as benchmarks.multi_turn)")
-    parser.add_argument("--config", type=Path, help="a BenchConfig as JSON (see benchmarks/configs/)")
-    parser.add_argument("--base-url", help="a running kvrelay app (default: start one here)")
-    parser.add_argument("--policies", help="comma-separated subset of the config's policies")
-    parser.add_argument("--rounds", type=int, help="runs of every policy, in alternating order (default: config's)")
+    workload_arguments(parser)
     parser.add_argument("--aiperf", type=Path, default=DEFAULT_AIPERF, help="the aiperf executable")
     parser.add_argument("--artifacts", type=Path, help="where aiperf writes its artifacts (default: a new temp dir)")
     args = parser.parse_args()
@@ -224,13 +221,7 @@ def main() -> None:
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(time.time() - started, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown_table(policies)
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
-    print(json.dumps(result["targets"], indent=2))
-    print("written", args.out)
+    write_results(args.out, result, markdown_table(policies))
 
 
 if __name__ == "__main__":

@@ -453,17 +453,22 @@ async def benchmark(base_url: str, model: str, rounds: list[list[Conversation]],
     return summaries, [r for p in config.policies for r in records_of[p]]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that choose the workload and where results go (`load_config` reads them)."""
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="the CPU default (finishes in under 15 minutes)")
     parser.add_argument("--config", type=Path, help="a BenchConfig as JSON (see benchmarks/configs/)")
     parser.add_argument("--base-url", help="a running kvrelay app (default: start one here)")
+    parser.add_argument("--policies", help="comma-separated subset of " + ",".join(POLICIES))
+    parser.add_argument("--rounds", type=int, help="runs of every policy, in alternating order (default: config's)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    workload_arguments(parser)
     parser.add_argument("--sharegpt", type=Path, help="ShareGPT-style JSON instead of synthetic conversations")
     parser.add_argument("--serve-mode", choices=["default", "throughput_optimized"], default="throughput_optimized",
                         help="Ray Serve's request path when starting the app here (as `make serve` runs it)")
-    parser.add_argument("--policies", help="comma-separated subset of " + ",".join(POLICIES))
-    parser.add_argument("--rounds", type=int, help="runs of every policy, in alternating order (default: config's)")
     args = parser.parse_args()
     config = load_config(args)
 
@@ -509,14 +514,18 @@ def main() -> None:
         "requests": [r.model_dump() for r in records],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    stem = args.out.with_suffix("")
-    table = markdown_table(summaries)
-    result["plots"] = plot(records, config.policies, stem)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(table)
+    result["plots"] = plot(records, config.policies, args.out.with_suffix(""))
+    write_results(args.out, result, markdown_table(summaries))
+
+
+def write_results(out: Path, result: dict[str, Any], table: str) -> None:
+    """The JSON at `out` and the markdown table beside it (.md); prints the table and the targets."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table)
     print(table)
     print(json.dumps(result["targets"], indent=2))
-    print("written", args.out)
+    print("written", out)
 
 
 if __name__ == "__main__":

@@ -270,6 +270,15 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     inflight.started("a", "r2", 40)  # sent after the heartbeat: not in it, known here
     view = inflight.view(beat)
     assert (view.running, view.prefill_tokens) == (1, 40)
+    # A request whose replica Serve chose (a P/D decode stage: accounted under none) counts, once it answers,
+    # where it ran: the next heartbeat's count of it is then known to be this ingress's, and its end is seen.
+    inflight.started("", "r3", 0)
+    inflight.moved("", "a", "r3")
+    now[0] = 100.5
+    inflight.ended("a", "r3")
+    later = heartbeat(at=100.45, running=2)  # r2 and r3; the other ingress's request has ended
+    view = inflight.view(later)
+    assert (view.running, view.prefill_tokens) == (0, 40)  # r3 ended: no phantom load left behind
 
 
 def test_the_planner_corrects_for_its_own_measured_error():
