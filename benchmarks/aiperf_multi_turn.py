@@ -169,6 +169,9 @@ def main() -> None:
         print(f"starting kvrelay: {model} on {config.num_replicas} replicas", flush=True)
         app = start_app(model, config.num_replicas, config.pool, throughput_optimized=True, **config.engine)
         base_url = app.direct_url or app.base_url
+    # aiperf's offline mode takes a tokenizer path for a hub repo id and fails; a local folder needs no network
+    # anyway (aiperf resolves no alias for a path).
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     runs: list[dict[str, Any]] = []
     try:
         asyncio.run(warm_up(base_url, model, rounds[0], config, run_id))
@@ -181,9 +184,6 @@ def main() -> None:
                                          f"aiperf-{run_id}-r{number}-{policy}", config, len(conversations),
                                          config.seed + number)
                 print(f"round {number} policy {policy}: aiperf over {len(conversations)} conversations", flush=True)
-                # aiperf's offline mode takes a tokenizer path for a hub repo id and fails; a local folder needs
-                # no network anyway (aiperf resolves no alias for a path).
-                env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
                 done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
                 (artifacts.with_suffix(".log")).write_text(done.stdout + done.stderr)
                 if done.returncode != 0:
@@ -201,12 +201,11 @@ def main() -> None:
     for policy in config.policies:
         mine = [r for r in runs if r["policy"] == policy]
         policies[policy] = mine[0] if len(mine) == 1 else {
-            "ttft_ms": {q: sorted(r["ttft_ms"][q] for r in mine)[len(mine) // 2] for q in ("p50", "p90", "p99",
-                                                                                          "mean")},
-            "inter_token_latency_ms_p50": sorted(r["inter_token_latency_ms_p50"] for r in mine)[len(mine) // 2],
-            "request_latency_ms_p50": sorted(r["request_latency_ms_p50"] for r in mine)[len(mine) // 2],
-            "requests": sum(r["requests"] or 0 for r in mine),
-            "errors": sum(r["errors"] or 0 for r in mine),
+            "ttft_ms": {q: percentile([r["ttft_ms"][q] for r in mine], 0.5) for q in ("p50", "p90", "p99", "mean")},
+            **{key: percentile([r[key] for r in mine], 0.5)
+               for key in ("inter_token_latency_ms_p50", "request_latency_ms_p50")},
+            "requests": sum(r["requests"] for r in mine),
+            "errors": sum(r["errors"] for r in mine),
             "unit": mine[0]["unit"],
         }
     result = {
