@@ -192,14 +192,15 @@ class InFlight:
 
 def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
     """Each view with the other replicas on its node that are busy (running, queued or prefilling): how many,
-    and how many requests they have in flight."""
+    and, per busy one, the requests waiting there for their first token and the prompt tokens they still need."""
     busy = [v for v in views if not v.idle]
     out = []
     for v in views:
         node = node_of.get(v.replica_id)
         peers = [b for b in busy if b.replica_id != v.replica_id and node_of.get(b.replica_id) == node]
         out.append(v._replace(busy_peers=len(peers),
-                              peer_requests=sum(p.running + p.waiting + p.prefilling for p in peers)))
+                              peer_backlogs=tuple((p.waiting + p.prefilling, p.prefill_tokens) for p in peers
+                                                  if p.waiting or p.prefilling)))
     return out
 
 

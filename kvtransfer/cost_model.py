@@ -219,11 +219,11 @@ class CostModel:
                  + load.waiting * self.recompute_ms(256, 0, peers, replica))
         return ahead + (self.step_ms(load) if load.running else 0.0)
 
-    def contention_impact_ms(self, occupancy_ms: float, peer_requests: int, replica_id: str | None = None) -> float:
-        """Delay imposed on `peer_requests` requests running on busy engines of a node when one more of its
-        engines (`replica_id`) works for `occupancy_ms`: each runs slower by the node's slowdown per busy peer."""
+    def contention_impact_ms(self, overlap_ms: float, requests: int, replica_id: str | None = None) -> float:
+        """Delay imposed on `requests` requests working on a busy engine of a node while one more of its engines
+        (`replica_id`) works beside them for `overlap_ms`: each runs slower by the node's slowdown per busy peer."""
         per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))
-        return per_peer * occupancy_ms * peer_requests
+        return per_peer * overlap_ms * requests
 
     def expected_output_tokens(self, max_tokens: int) -> int:
         """How many tokens a turn allowed `max_tokens` will decode: recent turns' average, at most `max_tokens`."""

@@ -2,13 +2,14 @@
 
 `plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
 the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
-with the lowest cost: its estimated time to first token plus the delay it would impose on requests already
-running or about to arrive (requests arriving at a busy target wait for its prefill; an idle engine that starts
-work slows every busy engine sharing its node, by the measured contention). So a busy holder can lose the turn to
-an idle replica that pulls from it, and on a node whose engines slow each other a short turn joins the busy engine
-while a long prefill goes to the idle one. The other policies are the routing rules users would otherwise run
-(round robin, session affinity, prefix affinity, vLLM's fixed pull threshold), chosen from the same options so
-that benchmarks compare them on the same engines and every plan still reports every estimate.
+with the lowest cost: its estimated time to first token plus the delay it would impose on other requests' first
+tokens (requests arriving at a busy target wait for its prefill; an idle engine that starts work slows the prefills
+queued on busy engines sharing its node, by the measured contention). Slower decoding elsewhere is not priced: it
+lengthens replies already started, not anyone's wait for a first token. So a busy holder can lose the turn to an
+idle replica that pulls from it, and a turn joins a busy engine beside an idle one only when it would otherwise
+slow that engine's waiting prefills by more than it saves. The other policies are the routing rules users would
+otherwise run (round robin, session affinity, prefix affinity, vLLM's fixed pull threshold), chosen from the same
+options so that benchmarks compare them on the same engines and every plan still reports every estimate.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class ReplicaView(NamedTuple):
     busy_peers: int = 0
     # Requests known to wait for their first token there (their tokens are in `prefill_tokens`).
     prefilling: int = 0
-    # Requests in flight on those busy engines beside it: what this engine slows down when it starts work.
-    peer_requests: int = 0
+    # Per busy engine beside it: (requests waiting for their first token there, their prompt tokens still to
+    # compute). The first tokens this engine delays when it starts work.
+    peer_backlogs: tuple[tuple[int, int], ...] = ()
     # Requests per second sent there lately: how many arrive while a new turn's prefill holds it.
     arrival_rate: float = 0.0
 
@@ -82,7 +84,7 @@ class Option(NamedTuple):
     hold: HoldOffer | None = None
     # The fits' estimate before the planner's measured error scaled it (what that error is learned against).
     model_ms: float = 0.0
-    # Delay this option imposes on requests already running: on its target, or on busy engines beside it.
+    # Delay this option imposes on other requests' first tokens: on its target, or on busy engines beside it.
     impact_ms: float = 0.0
 
     @property
@@ -112,7 +114,7 @@ class Plan(NamedTuple):
     busy_peers: int = 0
     # The chosen option's estimate before correction by the planner's measured error.
     model_ms: float = 0.0
-    # The delay the chosen option imposes on requests already running (on its target or beside it).
+    # The delay the chosen option imposes on other requests' first tokens (on its target or beside it).
     impact_ms: float = 0.0
 
 
@@ -174,19 +176,22 @@ def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
 
 
 def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel) -> float:
-    """The delay a turn on `target` imposes on other requests.
+    """The delay a turn on `target` imposes on other requests' first tokens.
 
     On a busy target, requests that arrive while its prefill runs wait for it: at the target's recent arrival rate,
     about rate x compute^2 / 2 in all, so a long prefill on a busy engine costs far more than a short one. On an
-    idle target, the node gains a busy engine: each request on the node's busy engines runs slower by the measured
-    contention for as long as the turn occupies the target (its compute, then its decode at the solo step).
+    idle target, the node gains a busy engine: every request waiting for its first token on a busy engine beside it
+    gets it later, by the measured contention, for as long as both work — the turn's occupancy of the target (its
+    compute, then its decode at the solo step) or that engine's prefill backlog, whichever ends first. Requests
+    already decoding there are slowed too, but their first tokens are out.
     """
     if not target.idle:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2
-    if not target.peer_requests:
-        return 0.0
     occupancy = compute_ms + output_tokens * cost.decode_step_ms
-    return cost.contention_impact_ms(occupancy, target.peer_requests, target.replica_id)
+    return sum(
+        cost.contention_impact_ms(min(occupancy, cost.recompute_ms(tokens)), waiting, target.replica_id)
+        for waiting, tokens in target.peer_backlogs
+    )
 
 
 def plan_turn(
@@ -333,5 +338,5 @@ def _reason(chosen: Option, estimates: dict[str, float], num_tokens: int) -> str
         Mode.PULL: f"pull {chosen.reused_tokens}/{num_tokens} tokens from {chosen.holder}",
         Mode.RECOMPUTE: f"compute all {num_tokens} tokens",
     }[chosen.mode]
-    slows = f", slowing requests beside it by {chosen.impact_ms:.0f} ms" if chosen.impact_ms >= 0.5 else ""
+    slows = f", delaying others' first tokens by {chosen.impact_ms:.0f} ms" if chosen.impact_ms >= 0.5 else ""
     return f"{what}: {chosen.estimate_ms:.0f} ms{slows}" + (f" (vs {others})" if others else "")

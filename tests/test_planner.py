@@ -222,8 +222,7 @@ def test_busy_engines_on_the_same_node_slow_a_target_by_the_measured_factor():
     assert cost.recompute_ms(1000, busy_peers=1) == pytest.approx(1.5 * solo, rel=0.01)
     assert cost.recompute_ms(1000) == pytest.approx(solo)  # the solo fit learned nothing from them
     # A new conversation: "b" is idle but shares a node with busy "a"; "c" is idle on another node.
-    views = [ReplicaView("a", running=1, busy_peers=0), ReplicaView("b", busy_peers=1, peer_requests=1),
-             ReplicaView("c")]
+    views = [ReplicaView("a", running=1, busy_peers=0), ReplicaView("b", busy_peers=1), ReplicaView("c")]
     assert plan_turn(1000, lookup(1000), views, cost).replica_id == "c"
     # With nowhere else to go, staying beside the busy engine's queue beats paying the slowdown on "b".
     plan = plan_turn(1000, lookup(1000), views[:2], cost)
@@ -284,7 +283,7 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
 def test_the_planner_corrects_for_its_own_measured_error():
     cost = calibrated(prefill_ms_per_token=0.3)
     # A new 1000-token conversation: "a" is busy decoding, "b" idle beside it (so b's engine has a busy peer).
-    replicas = [ReplicaView("a", running=2, decode_tok_s=50.0), ReplicaView("b", busy_peers=1, peer_requests=2)]
+    replicas = [ReplicaView("a", running=2, decode_tok_s=50.0), ReplicaView("b", busy_peers=1)]
     first = plan_turn(1000, lookup(1000), replicas, cost)
     assert first.replica_id == "b"  # by the fits alone the idle replica looks faster
     assert first.model_ms == first.estimate_ms  # nothing measured yet: no correction
@@ -318,17 +317,18 @@ def contended(slowdown_per_busy_peer: float) -> CostModel:
     return cost
 
 
-def test_an_idle_engine_beside_busy_ones_pays_for_the_slowdown_it_would_cause():
-    # "a" decodes three requests and has 100 tokens of prefill queued; "b" is idle on the same node.
-    views = [ReplicaView("a", running=3, prefill_tokens=100, prefilling=1, arrival_rate=2.0),
-             ReplicaView("b", busy_peers=1, peer_requests=4)]
+def test_an_idle_engine_beside_busy_ones_pays_for_the_first_tokens_it_would_delay():
+    # "a" decodes three requests while four more wait for their first tokens (300 prompt tokens in all); "b" is
+    # idle on the same node.
+    views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4, arrival_rate=2.0),
+             ReplicaView("b", busy_peers=1, peer_backlogs=((4, 300),))]
     turn = dict(num_tokens=200, lookup=lookup(200), replicas=views, output_tokens=32)
     # Where engines do not slow each other (nothing measured), the idle engine's first token comes sooner.
     independent = plan_turn(**turn, cost=calibrated(prefill_ms_per_token=0.3))
     assert independent.replica_id == "b" and independent.impact_ms == 0.0
-    # Where they do (10% here), the turn would also slow a's four requests for as long as it keeps "b" busy: it
-    # joins "a", though its own first token comes later there.
-    cost = contended(0.1)
+    # Where they slow each other by half, starting on "b" would delay the four waiting first tokens by half of a's
+    # 95 ms backlog each: the turn joins "a", though its own first token comes later there.
+    cost = contended(0.5)
     joined = plan_turn(**turn, cost=cost)
     assert joined.replica_id == "a" and joined.estimate_ms > joined.estimates_ms["recompute"]
     # Joining "a" has its price too: requests arriving there (2 a second) wait for its 65 ms prefill.
@@ -337,34 +337,52 @@ def test_an_idle_engine_beside_busy_ones_pays_for_the_slowdown_it_would_cause():
     # is worth its contention then.
     long_prefill = plan_turn(3000, lookup(3000), views, cost, output_tokens=32)
     assert long_prefill.replica_id == "b"
-    assert "slowing requests beside it" in long_prefill.reason
-    # With a long queue on "a", the idle engine is worth the slowdown, and the plan says what it costs.
-    queued = [views[0]._replace(prefill_tokens=8000), views[1]]
+    assert "delaying others' first tokens" in long_prefill.reason
+    # Behind a long backlog on "a", the waiting requests are slowed for as long as the turn keeps "b" busy (its
+    # prefill, then its decode), and the plan says what that costs.
+    queued = [views[0]._replace(prefill_tokens=8000), views[1]._replace(peer_backlogs=((4, 8000),))]
     moved = plan_turn(200, lookup(200), queued, cost, output_tokens=32)
     assert moved.replica_id == "b" and moved.impact_ms == pytest.approx(
-        0.1 * 4 * (moved.estimate_ms + 32 * cost.decode_step_ms), rel=0.01)
+        0.5 * 4 * (moved.estimate_ms + 32 * cost.decode_step_ms), rel=0.01)
 
 
-def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_its_engines_contend():
+def test_requests_that_only_decode_beside_an_idle_engine_cost_it_nothing():
+    # "a" decodes three requests, none waits for a first token: the idle "b" slows their replies, not their first
+    # tokens, so a turn faster on "b" goes there (a TTFT score would not see the decode slowdown it was charged).
+    views = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1)]
+    cost = contended(0.1)
+    plan = plan_turn(200, lookup(200), views, cost, output_tokens=32)
+    assert plan.replica_id == "b" and plan.impact_ms == 0.0
+    assert plan.estimate_ms == pytest.approx(1.1 * cost.recompute_ms(200), rel=0.01)
+
+
+def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_would_delay_its_first_tokens():
     n = 1024
     history = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
-    views = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1, peer_requests=3)]
+    # "a" has four requests waiting for their first tokens; engines that slow each other by half.
+    views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4),
+             ReplicaView("b", busy_peers=1, peer_backlogs=((4, 300),))]
     consolidated = plan_turn(n + 64, history, views, contended(0.5), output_tokens=32)
     assert (consolidated.replica_id, consolidated.mode, consolidated.holder) == ("a", Mode.PULL, "b")
+    # When "a" only decodes, nobody's first token waits on it: the turn stays with its history.
+    decoding = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1)]
+    stays = plan_turn(n + 64, history, decoding, contended(0.5), output_tokens=32)
+    assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
     # Engines that do not slow each other: the turn stays with its history.
     independent = plan_turn(n + 64, history, views, calibrated(prefill_ms_per_token=0.3), output_tokens=32)
     assert (independent.replica_id, independent.mode) == ("b", Mode.LOCAL)
 
 
-def test_busy_peers_count_the_requests_of_busy_engines_on_the_same_node_only():
+def test_busy_peers_count_the_waiting_first_tokens_of_busy_engines_on_the_same_node_only():
     from app.turns import with_busy_peers
 
     views = [ReplicaView("a", running=2, prefill_tokens=10, prefilling=1), ReplicaView("b"),
-             ReplicaView("c", running=1)]
-    out = {v.replica_id: v for v in with_busy_peers(views, {"a": "n1", "b": "n1", "c": "n2"})}
-    assert (out["b"].busy_peers, out["b"].peer_requests) == (1, 3)
-    assert (out["a"].busy_peers, out["a"].peer_requests) == (0, 0)
-    assert (out["c"].busy_peers, out["c"].peer_requests) == (0, 0)
+             ReplicaView("c", running=1), ReplicaView("d", running=4)]
+    out = {v.replica_id: v for v in with_busy_peers(views, {"a": "n1", "b": "n1", "c": "n2", "d": "n1"})}
+    # "b" sees two busy engines beside it; only a's waiting request has a first token to delay.
+    assert (out["b"].busy_peers, out["b"].peer_backlogs) == (2, ((1, 10),))
+    assert (out["a"].busy_peers, out["a"].peer_backlogs) == (1, ())
+    assert (out["c"].busy_peers, out["c"].peer_backlogs) == (0, ())
 
 
 def test_a_turn_is_expected_to_decode_what_recent_turns_did_within_its_limit():
