@@ -36,7 +36,7 @@ from app.responses import caused_by
 from configs.app import Policy
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
-from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn, reads_hold
+from kvtransfer.planner import Mode, PeerLoad, Plan, ReplicaView, plan_turn, reads_hold
 from kvtransfer.types import Hold, HoldOffer, LookupResult
 
 logger = logging.getLogger(__name__)
@@ -192,15 +192,16 @@ class InFlight:
 
 def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
     """Each view with the other replicas on its node that are busy (running, queued or prefilling): how many,
-    and, per busy one, the requests waiting there for their first token and the prompt tokens they still need."""
+    and, per busy one, its requests waiting for their first token, the prompt tokens they still need and its
+    recent arrival rate."""
     busy = [v for v in views if not v.idle]
     out = []
     for v in views:
         node = node_of.get(v.replica_id)
         peers = [b for b in busy if b.replica_id != v.replica_id and node_of.get(b.replica_id) == node]
         out.append(v._replace(busy_peers=len(peers),
-                              peer_backlogs=tuple((p.waiting + p.prefilling, p.prefill_tokens) for p in peers
-                                                  if p.waiting or p.prefilling)))
+                              peers=tuple(PeerLoad(p.waiting + p.prefilling, p.prefill_tokens, p.arrival_rate)
+                                          for p in peers)))
     return out
 
 

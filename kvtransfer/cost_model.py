@@ -219,7 +219,7 @@ class CostModel:
                  + load.waiting * self.recompute_ms(256, 0, peers, replica))
         return ahead + (self.step_ms(load) if load.running else 0.0)
 
-    def contention_impact_ms(self, overlap_ms: float, requests: int, replica_id: str | None = None) -> float:
+    def contention_impact_ms(self, overlap_ms: float, requests: float, replica_id: str | None = None) -> float:
         """Delay imposed on `requests` requests working on a busy engine of a node while one more of its engines
         (`replica_id`) works beside them for `overlap_ms`: each runs slower by the node's slowdown per busy peer."""
         per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))

@@ -3,13 +3,14 @@
 `plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
 the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
 with the lowest cost: its estimated time to first token plus the delay it would impose on other requests' first
-tokens (requests arriving at a busy target wait for its prefill; an idle engine that starts work slows the prefills
-queued on busy engines sharing its node, by the measured contention). Slower decoding elsewhere is not priced: it
-lengthens replies already started, not anyone's wait for a first token. So a busy holder can lose the turn to an
-idle replica that pulls from it, and a turn joins a busy engine beside an idle one only when it would otherwise
-slow that engine's waiting prefills by more than it saves. The other policies are the routing rules users would
-otherwise run (round robin, session affinity, prefix affinity, vLLM's fixed pull threshold), chosen from the same
-options so that benchmarks compare them on the same engines and every plan still reports every estimate.
+tokens (requests arriving at a busy target wait for its prefill; an idle engine that starts work slows the busy
+engines sharing its node, by the measured contention, and with them the first tokens waiting or arriving there).
+Slower decoding is priced only through those first tokens: it lengthens replies already started, not their wait.
+So a busy holder can lose the turn to an idle replica that pulls from it, and a turn joins a busy engine beside an
+idle one when that engine is busy enough that slowing it would cost others more than the turn saves. The other
+policies are the routing rules users would otherwise run (round robin, session affinity, prefix affinity, vLLM's
+fixed pull threshold), chosen from the same options so that benchmarks compare them on the same engines and every
+plan still reports every estimate.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ STAY_MARGIN_MS = 5.0
 READ_STEPS = 1
 
 
+class PeerLoad(NamedTuple):
+    """A busy engine beside a replica on its node: the first tokens that replica's work would delay there."""
+
+    # Requests waiting there for their first token, and their prompt tokens still to compute.
+    waiting: int = 0
+    prefill_tokens: int = 0
+    # Requests per second sent there lately: how many arrive while the replica's work slows that engine.
+    arrival_rate: float = 0.0
+
+
 class ReplicaView(NamedTuple):
     """A live replica as the planner sees it."""
 
@@ -57,9 +68,8 @@ class ReplicaView(NamedTuple):
     busy_peers: int = 0
     # Requests known to wait for their first token there (their tokens are in `prefill_tokens`).
     prefilling: int = 0
-    # Per busy engine beside it: (requests waiting for their first token there, their prompt tokens still to
-    # compute). The first tokens this engine delays when it starts work.
-    peer_backlogs: tuple[tuple[int, int], ...] = ()
+    # The busy engines beside it (`busy_peers` of them, or none where the ingress did not look).
+    peers: tuple[PeerLoad, ...] = ()
     # Requests per second sent there lately: how many arrive while a new turn's prefill holds it.
     arrival_rate: float = 0.0
 
@@ -180,17 +190,21 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
 
     On a busy target, requests that arrive while its prefill runs wait for it: at the target's recent arrival rate,
     about rate x compute^2 / 2 in all, so a long prefill on a busy engine costs far more than a short one. On an
-    idle target, the node gains a busy engine: every request waiting for its first token on a busy engine beside it
-    gets it later, by the measured contention, for as long as both work — the turn's occupancy of the target (its
-    compute, then its decode at the solo step) or that engine's prefill backlog, whichever ends first. Requests
-    already decoding there are slowed too, but their first tokens are out.
+    idle target, the node gains a busy engine for the turn's occupancy of it (its compute, then its decode at the
+    solo step), and each busy engine beside it runs slower by the measured contention meanwhile: the requests
+    waiting there for their first token get it later for as long as both work (the occupancy or that engine's
+    prefill backlog, whichever ends first), and so do requests arriving there during the occupancy (at that
+    engine's recent rate, about rate x occupancy of them, each for half of it on average). Requests already
+    decoding there are slowed too, but their first tokens are out.
     """
     if not target.idle:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2
     occupancy = compute_ms + output_tokens * cost.decode_step_ms
     return sum(
-        cost.contention_impact_ms(min(occupancy, cost.recompute_ms(tokens)), waiting, target.replica_id)
-        for waiting, tokens in target.peer_backlogs
+        cost.contention_impact_ms(min(occupancy, cost.recompute_ms(peer.prefill_tokens)), peer.waiting,
+                                  target.replica_id)
+        + cost.contention_impact_ms(occupancy / 2, peer.arrival_rate / 1e3 * occupancy, target.replica_id)
+        for peer in target.peers
     )
 
 

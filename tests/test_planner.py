@@ -8,7 +8,7 @@ from app.turns import preferred_replica
 from configs.app import Policy
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, ReplicaView, plan_turn
+from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView, plan_turn
 from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
 
@@ -318,42 +318,51 @@ def contended(slowdown_per_busy_peer: float) -> CostModel:
 
 
 def test_an_idle_engine_beside_busy_ones_pays_for_the_first_tokens_it_would_delay():
-    # "a" decodes three requests while four more wait for their first tokens (300 prompt tokens in all); "b" is
-    # idle on the same node.
+    # "a" decodes three requests while four more wait for their first tokens (300 prompt tokens in all), and gets 2
+    # requests a second; "b" is idle on the same node.
     views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4, arrival_rate=2.0),
-             ReplicaView("b", busy_peers=1, peer_backlogs=((4, 300),))]
+             ReplicaView("b", busy_peers=1, peers=(PeerLoad(4, 300, 2.0),))]
     turn = dict(num_tokens=200, lookup=lookup(200), replicas=views, output_tokens=32)
     # Where engines do not slow each other (nothing measured), the idle engine's first token comes sooner.
     independent = plan_turn(**turn, cost=calibrated(prefill_ms_per_token=0.3))
     assert independent.replica_id == "b" and independent.impact_ms == 0.0
-    # Where they slow each other by half, starting on "b" would delay the four waiting first tokens by half of a's
-    # 95 ms backlog each: the turn joins "a", though its own first token comes later there.
+    # Where they slow each other by half, starting on "b" would delay a's four waiting first tokens (by half of its
+    # 95 ms backlog each) and those of the requests arriving there meanwhile: the turn joins "a", though its own
+    # first token comes later there.
     cost = contended(0.5)
     joined = plan_turn(**turn, cost=cost)
     assert joined.replica_id == "a" and joined.estimate_ms > joined.estimates_ms["recompute"]
     # Joining "a" has its price too: requests arriving there (2 a second) wait for its 65 ms prefill.
     assert joined.impact_ms == pytest.approx(2.0 / 1e3 * cost.recompute_ms(200) ** 2 / 2, rel=0.01)
-    # A long prefill would hold "a" for a second, and everything arriving meanwhile would wait: the idle engine
-    # is worth its contention then.
-    long_prefill = plan_turn(3000, lookup(3000), views, cost, output_tokens=32)
-    assert long_prefill.replica_id == "b"
-    assert "delaying others' first tokens" in long_prefill.reason
-    # Behind a long backlog on "a", the waiting requests are slowed for as long as the turn keeps "b" busy (its
-    # prefill, then its decode), and the plan says what that costs.
-    queued = [views[0]._replace(prefill_tokens=8000), views[1]._replace(peer_backlogs=((4, 8000),))]
+    # Behind a long backlog on "a", the idle engine is worth the slowdown, and the plan says what it costs: a's
+    # four waiting requests are slowed for as long as the turn keeps "b" busy (its prefill, then its decode), and
+    # those arriving meanwhile for half of that on average.
+    queued = [views[0]._replace(prefill_tokens=8000), views[1]._replace(peers=(PeerLoad(4, 8000, 2.0),))]
     moved = plan_turn(200, lookup(200), queued, cost, output_tokens=32)
+    occupancy = moved.estimate_ms + 32 * cost.decode_step_ms
     assert moved.replica_id == "b" and moved.impact_ms == pytest.approx(
-        0.5 * 4 * (moved.estimate_ms + 32 * cost.decode_step_ms), rel=0.01)
+        0.5 * 4 * occupancy + 0.5 * (2.0 / 1e3 * occupancy) * occupancy / 2, rel=0.01)
+    assert "delaying others' first tokens" in moved.reason
+    # Where engines slow each other less (10%), a long prefill would hold "a" for a second while everything
+    # arriving there waited for it: the idle engine is worth its contention.
+    assert plan_turn(3000, lookup(3000), views, contended(0.1), output_tokens=32).replica_id == "b"
 
 
-def test_requests_that_only_decode_beside_an_idle_engine_cost_it_nothing():
+def test_requests_that_only_decode_beside_an_idle_engine_cost_it_only_the_first_tokens_arriving_there():
     # "a" decodes three requests, none waits for a first token: the idle "b" slows their replies, not their first
-    # tokens, so a turn faster on "b" goes there (a TTFT score would not see the decode slowdown it was charged).
-    views = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1)]
+    # tokens. With requests arriving at "a" now and then (one every 4 s), a turn faster on "b" goes there.
     cost = contended(0.1)
-    plan = plan_turn(200, lookup(200), views, cost, output_tokens=32)
-    assert plan.replica_id == "b" and plan.impact_ms == 0.0
-    assert plan.estimate_ms == pytest.approx(1.1 * cost.recompute_ms(200), rel=0.01)
+    sparse = [ReplicaView("a", running=3, arrival_rate=0.25),
+              ReplicaView("b", busy_peers=1, peers=(PeerLoad(0, 0, 0.25),))]
+    plan = plan_turn(200, lookup(200), sparse, cost, output_tokens=32)
+    occupancy = plan.estimate_ms + 32 * cost.decode_step_ms
+    assert plan.replica_id == "b" and plan.estimate_ms == pytest.approx(1.1 * cost.recompute_ms(200), rel=0.01)
+    assert plan.impact_ms == pytest.approx(0.1 * (0.25 / 1e3 * occupancy) * occupancy / 2, rel=0.01)
+    # With 8 requests a second arriving at "a", every one of them would get its first token later while "b" works:
+    # the turn joins "a" (a saturated node serves more on one engine than on two that slow each other).
+    busy = [ReplicaView("a", running=3, arrival_rate=8.0),
+            ReplicaView("b", busy_peers=1, peers=(PeerLoad(0, 0, 8.0),))]
+    assert plan_turn(200, lookup(200), busy, cost, output_tokens=32).replica_id == "a"
 
 
 def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_would_delay_its_first_tokens():
@@ -361,11 +370,12 @@ def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_woul
     history = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
     # "a" has four requests waiting for their first tokens; engines that slow each other by half.
     views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4),
-             ReplicaView("b", busy_peers=1, peer_backlogs=((4, 300),))]
+             ReplicaView("b", busy_peers=1, peers=(PeerLoad(4, 300),))]
     consolidated = plan_turn(n + 64, history, views, contended(0.5), output_tokens=32)
     assert (consolidated.replica_id, consolidated.mode, consolidated.holder) == ("a", Mode.PULL, "b")
-    # When "a" only decodes, nobody's first token waits on it: the turn stays with its history.
-    decoding = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1)]
+    # When "a" only decodes and nothing arrives there, nobody's first token waits on it: the turn stays with its
+    # history.
+    decoding = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1, peers=(PeerLoad(),))]
     stays = plan_turn(n + 64, history, decoding, contended(0.5), output_tokens=32)
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
     # Engines that do not slow each other: the turn stays with its history.
@@ -373,16 +383,16 @@ def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_woul
     assert (independent.replica_id, independent.mode) == ("b", Mode.LOCAL)
 
 
-def test_busy_peers_count_the_waiting_first_tokens_of_busy_engines_on_the_same_node_only():
+def test_busy_peers_are_the_busy_engines_on_the_same_node_only():
     from app.turns import with_busy_peers
 
-    views = [ReplicaView("a", running=2, prefill_tokens=10, prefilling=1), ReplicaView("b"),
+    views = [ReplicaView("a", running=2, prefill_tokens=10, prefilling=1, arrival_rate=1.5), ReplicaView("b"),
              ReplicaView("c", running=1), ReplicaView("d", running=4)]
     out = {v.replica_id: v for v in with_busy_peers(views, {"a": "n1", "b": "n1", "c": "n2", "d": "n1"})}
-    # "b" sees two busy engines beside it; only a's waiting request has a first token to delay.
-    assert (out["b"].busy_peers, out["b"].peer_backlogs) == (2, ((1, 10),))
-    assert (out["a"].busy_peers, out["a"].peer_backlogs) == (1, ())
-    assert (out["c"].busy_peers, out["c"].peer_backlogs) == (0, ())
+    # "b" sees two busy engines beside it: a's waiting request and arrivals, d's decoding batch.
+    assert (out["b"].busy_peers, out["b"].peers) == (2, (PeerLoad(1, 10, 1.5), PeerLoad(0, 0, 0.0)))
+    assert (out["a"].busy_peers, out["a"].peers) == (1, (PeerLoad(0, 0, 0.0),))
+    assert (out["c"].busy_peers, out["c"].peers) == (0, ())
 
 
 def test_a_turn_is_expected_to_decode_what_recent_turns_did_within_its_limit():
