@@ -48,6 +48,10 @@ def run_app_modes(prefill_cache: bool, config: BenchConfig, throughput_optimized
     app = start_app(model, 1, throughput_optimized=throughput_optimized, enable_prefix_caching=prefill_cache,
                     decode_pool={"num_replicas": 1, "engine": {"enable_prefix_caching": True}}, **ENGINE)
     try:
+        # The start-up calibration times solo prefills on the prefill replica: the first mode's turns must not
+        # run beside it (they would slow both, and make its solo samples contended ones).
+        print("cost model after start-up calibration:", json.dumps(app.ingress.calibrated.remote().result()),
+              flush=True)
         policies = [policy for _, policy in MODES[prefill_cache]]
         summaries, _ = asyncio.run(benchmark(app.direct_url or app.base_url, model, [conversations],
                                              config.model_copy(update={"policies": policies}),
