@@ -199,8 +199,7 @@ def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[R
     for v in views:
         node = node_of.get(v.replica_id)
         peers = [b for b in busy if b.replica_id != v.replica_id and node_of.get(b.replica_id) == node]
-        out.append(v._replace(busy_peers=len(peers),
-                              peers=tuple(PeerLoad(p.waiting + p.prefilling, p.prefill_tokens, p.arrival_rate)
+        out.append(v._replace(peers=tuple(PeerLoad(p.waiting + p.prefilling, p.prefill_tokens, p.arrival_rate)
                                           for p in peers)))
     return out
 

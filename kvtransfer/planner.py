@@ -64,14 +64,16 @@ class ReplicaView(NamedTuple):
     decode_tok_s: float | None = None
     # Prompt tokens of requests known to be queued or prefilling there now (they run before a new turn).
     prefill_tokens: int = 0
-    # Other engines on the same node that are busy now: they share its CPUs.
-    busy_peers: int = 0
     # Requests known to wait for their first token there (their tokens are in `prefill_tokens`).
     prefilling: int = 0
-    # The busy engines beside it (`busy_peers` of them, or none where the ingress did not look).
+    # Other engines on the same node that are busy now: they share its CPUs.
     peers: tuple[PeerLoad, ...] = ()
     # Requests per second sent there lately: how many arrive while a new turn's prefill holds it.
     arrival_rate: float = 0.0
+
+    @property
+    def busy_peers(self) -> int:
+        return len(self.peers)
 
     @property
     def load(self) -> LoadView:

@@ -222,7 +222,7 @@ def test_busy_engines_on_the_same_node_slow_a_target_by_the_measured_factor():
     assert cost.recompute_ms(1000, busy_peers=1) == pytest.approx(1.5 * solo, rel=0.01)
     assert cost.recompute_ms(1000) == pytest.approx(solo)  # the solo fit learned nothing from them
     # A new conversation: "b" is idle but shares a node with busy "a"; "c" is idle on another node.
-    views = [ReplicaView("a", running=1, busy_peers=0), ReplicaView("b", busy_peers=1), ReplicaView("c")]
+    views = [ReplicaView("a", running=1), ReplicaView("b", peers=(PeerLoad(),)), ReplicaView("c")]
     assert plan_turn(1000, lookup(1000), views, cost).replica_id == "c"
     # With nowhere else to go, staying beside the busy engine's queue beats paying the slowdown on "b".
     plan = plan_turn(1000, lookup(1000), views[:2], cost)
@@ -283,7 +283,7 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
 def test_the_planner_corrects_for_its_own_measured_error():
     cost = calibrated(prefill_ms_per_token=0.3)
     # A new 1000-token conversation: "a" is busy decoding, "b" idle beside it (so b's engine has a busy peer).
-    replicas = [ReplicaView("a", running=2, decode_tok_s=50.0), ReplicaView("b", busy_peers=1)]
+    replicas = [ReplicaView("a", running=2, decode_tok_s=50.0), ReplicaView("b", peers=(PeerLoad(),))]
     first = plan_turn(1000, lookup(1000), replicas, cost)
     assert first.replica_id == "b"  # by the fits alone the idle replica looks faster
     assert first.model_ms == first.estimate_ms  # nothing measured yet: no correction
@@ -321,7 +321,7 @@ def test_an_idle_engine_beside_busy_ones_pays_for_the_first_tokens_it_would_dela
     # "a" decodes three requests while four more wait for their first tokens (300 prompt tokens in all), and gets 2
     # requests a second; "b" is idle on the same node.
     views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4, arrival_rate=2.0),
-             ReplicaView("b", busy_peers=1, peers=(PeerLoad(4, 300, 2.0),))]
+             ReplicaView("b", peers=(PeerLoad(4, 300, 2.0),))]
     turn = dict(num_tokens=200, lookup=lookup(200), replicas=views, output_tokens=32)
     # Where engines do not slow each other (nothing measured), the idle engine's first token comes sooner.
     independent = plan_turn(**turn, cost=calibrated(prefill_ms_per_token=0.3))
@@ -353,7 +353,7 @@ def test_requests_that_only_decode_beside_an_idle_engine_cost_it_only_the_first_
     # tokens. With requests arriving at "a" now and then (one every 4 s), a turn faster on "b" goes there.
     cost = contended(0.1)
     sparse = [ReplicaView("a", running=3, arrival_rate=0.25),
-              ReplicaView("b", busy_peers=1, peers=(PeerLoad(0, 0, 0.25),))]
+              ReplicaView("b", peers=(PeerLoad(0, 0, 0.25),))]
     plan = plan_turn(200, lookup(200), sparse, cost, output_tokens=32)
     occupancy = plan.estimate_ms + 32 * cost.decode_step_ms
     assert plan.replica_id == "b" and plan.estimate_ms == pytest.approx(1.1 * cost.recompute_ms(200), rel=0.01)
@@ -361,7 +361,7 @@ def test_requests_that_only_decode_beside_an_idle_engine_cost_it_only_the_first_
     # With 8 requests a second arriving at "a", every one of them would get its first token later while "b" works:
     # the turn joins "a" (a saturated node serves more on one engine than on two that slow each other).
     busy = [ReplicaView("a", running=3, arrival_rate=8.0),
-            ReplicaView("b", busy_peers=1, peers=(PeerLoad(0, 0, 8.0),))]
+            ReplicaView("b", peers=(PeerLoad(0, 0, 8.0),))]
     assert plan_turn(200, lookup(200), busy, cost, output_tokens=32).replica_id == "a"
 
 
@@ -370,12 +370,12 @@ def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_woul
     history = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
     # "a" has four requests waiting for their first tokens; engines that slow each other by half.
     views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4),
-             ReplicaView("b", busy_peers=1, peers=(PeerLoad(4, 300),))]
+             ReplicaView("b", peers=(PeerLoad(4, 300),))]
     consolidated = plan_turn(n + 64, history, views, contended(0.5), output_tokens=32)
     assert (consolidated.replica_id, consolidated.mode, consolidated.holder) == ("a", Mode.PULL, "b")
     # When "a" only decodes and nothing arrives there, nobody's first token waits on it: the turn stays with its
     # history.
-    decoding = [ReplicaView("a", running=3), ReplicaView("b", busy_peers=1, peers=(PeerLoad(),))]
+    decoding = [ReplicaView("a", running=3), ReplicaView("b", peers=(PeerLoad(),))]
     stays = plan_turn(n + 64, history, decoding, contended(0.5), output_tokens=32)
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
     # Engines that do not slow each other: the turn stays with its history.
