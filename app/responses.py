@@ -71,6 +71,9 @@ class KVRelayInfo(BaseModel):
     reused_tokens: int
     estimates_ms: dict[str, float]
     reason: str
+    # Time to first token as the ingress measured it (from planning the turn to the engine's first token): what
+    # the client saw beyond it is the HTTP path's. None where the first token is not this turn's to time.
+    ttft_ms: float | None = None
 
 
 class TurnUsage(BaseModel):

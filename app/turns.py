@@ -115,6 +115,7 @@ class TurnOutcome:
             "reused_tokens": self.reused_tokens,
             "estimates_ms": self.plan.estimates_ms,
             "reason": reason,
+            "ttft_ms": round(self.ttft_ms, 2) if self.ttft_ms is not None else None,
         }
 
 

@@ -110,6 +110,8 @@ class RequestRecord(BaseModel):
     replica: str | None = None
     # The planner's estimate of this turn's time to first token (the option it ran; kvrelay's own cost model).
     estimate_ms: float | None = None
+    # Its time to first token as the ingress measured it (the rest of ttft_ms is the HTTP path and this client).
+    server_ttft_ms: float | None = None
 
 
 # ------------------------------------------------------------------------------------------------ workload
@@ -202,6 +204,7 @@ async def one_turn(http: httpx.AsyncClient, model: str, policy: str, conv: Conve
                     record.replica = chunk["kvrelay"]["replica"]
                     record.reused_tokens = chunk["kvrelay"]["reused_tokens"]
                     record.estimate_ms = chunk["kvrelay"]["estimates_ms"].get(record.mode)
+                    record.server_ttft_ms = chunk["kvrelay"].get("ttft_ms")
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         record.error = repr(exc)[:300]
         return record, ""

@@ -72,6 +72,8 @@ def test_planner_reuses_the_history_on_its_own(tiny_app):
     assert second.kvrelay.mode in ("local", "pull")
     assert second.usage.cached_tokens >= 288
     assert set(second.kvrelay.estimates_ms) >= {"recompute", second.kvrelay.mode}
+    # The response says when the ingress saw the first token, within the turn's own latency.
+    assert 0 < second.kvrelay.ttft_ms == pytest.approx(second.ttft_ms, abs=0.01) and second.ttft_ms < second.latency_ms
 
 
 def test_edited_history_is_recomputed_and_still_right(tiny_app):
