@@ -489,8 +489,7 @@ class TurnRunner:
         prefill_ms = last.prefill_s * 1e3
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused
-        self.cost.observe_prefill(new_tokens, reused, prefill_ms, plan.busy_peers, last.replica_id,
-                                 plan.prefilling_peers)
+        self.cost.observe_prefill(new_tokens, reused, prefill_ms, plan.busy_peers, last.replica_id)
         if last.decode_step_s is not None and plan.busy_peers == 0:
             self.cost.observe_decode(last.decode_step_s * 1e3)
         if pulled and last.wait_s is not None:

@@ -76,44 +76,24 @@ async def calibrate(
             else:
                 await turn([rng.randrange(100, vocab) for _ in range(n)], ("recompute", ids[0]))
         if len(ids) > 1 and max_model_len >= 512:
-            await contention(run_turn, ids[0], ids[1], rng, vocab, [n for n in lengths if n <= 1024], max(lengths))
+            await contention(run_turn, ids[0], ids[1], rng, vocab, [n for n in lengths if n <= 1024])
         logger.info("cost model calibrated on %s: %s", ids, cost.snapshot())
     except Exception:  # calibration only sharpens the priors; serving must not depend on it
         logger.exception("cost model calibration failed; keeping the priors")
 
 
 async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Random, vocab: int,
-                     lengths: list[int], busy_prompt_tokens: int) -> None:
-    """Time prefills on `measured` while `busy` works: first while it decodes a long reply (256 steps, longer than
-    the measured prefills take), then while it prefills prompts of `busy_prompt_tokens`, two at a time so that it
-    never goes idle between them. If the two engines share a node, the turn path sees a busy peer (in the second
-    round, a prefilling one) and those prefills teach the cost model its slowdown per busy peer and the extra of a
-    prefilling one (else they are solo samples)."""
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(n)]
-
-    async def measure() -> None:
-        await asyncio.sleep(0.05)  # the background turns are in flight (the runner counts them) before any is planned
+                     lengths: list[int]) -> None:
+    """Time prefills on `measured` while `busy` works on a long turn: if the two engines share a node, the turn
+    path sees a busy peer and those prefills teach the cost model its slowdown per busy peer (else they are solo
+    samples). 256 decode steps keep `busy` working longer than the measured prefills take."""
+    background = asyncio.ensure_future(run_turn(
+        [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
+        ("recompute", busy), tenant=CALIBRATION_TENANT))
+    try:
+        await asyncio.sleep(0.05)  # the background turn is in flight (the runner counts it) before any is planned
         for n in lengths:
-            await run_turn(prompt(n), ONE_TOKEN, ("recompute", measured), tenant=CALIBRATION_TENANT)
-
-    decoding = asyncio.ensure_future(run_turn(
-        prompt(64), {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True}, ("recompute", busy),
-        tenant=CALIBRATION_TENANT))
-    try:
-        await measure()
+            await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
+                           tenant=CALIBRATION_TENANT)
     finally:
-        await decoding
-    done = asyncio.Event()
-
-    async def keep_prefilling() -> None:
-        while not done.is_set():
-            await run_turn(prompt(busy_prompt_tokens), ONE_TOKEN, ("recompute", busy), tenant=CALIBRATION_TENANT)
-
-    prefilling = [asyncio.ensure_future(keep_prefilling()) for _ in range(2)]
-    try:
-        await measure()
-    finally:
-        done.set()
-        await asyncio.gather(*prefilling)
+        await background

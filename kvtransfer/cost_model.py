@@ -4,18 +4,14 @@ Both are linear models fitted online by least squares over the most recent obser
 
     recompute_ms(k new tokens after c cached ones) = a + b*k + d*k*(c + k/2)      (attention grows with context)
     pull_ms(bytes)                                 = fixed + bytes / bandwidth
-    slowdown(p busy peers on the node, q of them prefilling) = 1 + s*p + x*q       (shared CPUs, memory bandwidth)
+    slowdown(p busy peers on the same node)        = 1 + s*p                          (shared CPUs, memory bandwidth)
 
-Two engines that both prefill slow each other more than a prefill beside an engine that only decodes (both then
-stream weights and activations through the same caches and memory bus), so a peer counts for x more while it
-prefills; q counts each prefilling peer for the share of the turn its known prefill backlog covers. The same s and
-x price the other side of contention: an idle engine that starts a turn slows the work on the busy engines beside
-it, by s + x while its own prefill runs and by s while it decodes (`contention_impact_ms`; how long comes from the
-turn's prefill, its expected output tokens and the solo decode step, each measured here too).
+The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
+on the busy engines beside it by s for as long as the turn keeps it busy (`contention_impact_ms`; how long comes
+from the turn's prefill, its expected output tokens and the solo decode step, each measured here too).
 
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
-had their engine to themselves while p other engines on the node were busy, q prefilling (observed / solo
-prediction - 1; until some samples had a prefilling peer, x stays 0 and a prefilling peer costs what any does),
+had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1),
 per node (nodes differ: cores, memory bandwidth, how many engines share them), the fleet's fit standing in for
 a node until it has MIN_NODE_SAMPLES of its own.
 
@@ -135,8 +131,6 @@ class LoadView:
     busy_peers: int = 0
     # Whose speed factor applies ("" for a typical replica).
     replica_id: str = ""
-    # How many of the busy peers are prefilling (each counted for the share of the work here its backlog covers).
-    prefilling_peers: float = 0.0
 
 
 class CostModel:
@@ -174,16 +168,14 @@ class CostModel:
     # ---------------------------------------------------------------- estimates (pure)
 
     def recompute_ms(
-        self, new_tokens: int, context_tokens: int = 0, busy_peers: int = 0, replica_id: str | None = None,
-        prefilling_peers: float = 0.0,
+        self, new_tokens: int, context_tokens: int = 0, busy_peers: int = 0, replica_id: str | None = None
     ) -> float:
         """Prefill `new_tokens` on top of `context_tokens` already in the replica's KV cache, while
-        `busy_peers` other engines on its node are busy (`prefilling_peers` of them prefilling), on `replica_id`
-        (at its measured speed) or a typical one."""
+        `busy_peers` other engines on its node are busy, on `replica_id` (at its measured speed) or a typical one."""
         if new_tokens <= 0:
             return 0.0
         solo = max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
-        return solo * self.slowdown(busy_peers, replica_id, prefilling_peers) * self.speed_factor(replica_id)
+        return solo * self.slowdown(busy_peers, replica_id) * self.speed_factor(replica_id)
 
     def speed_factor(self, replica_id: str | None) -> float:
         """How much longer than the fleet's fit a replica's prefills take: its recent median measured / estimated
@@ -197,20 +189,18 @@ class CostModel:
         self._node_of = node_of
 
     def _contention_fit(self) -> OnlineLinearFit:
-        return OnlineLinearFit(("slowdown_per_busy_peer", "extra_per_prefilling_peer"), (0.0, 0.0), self._window)
+        return OnlineLinearFit(("slowdown_per_busy_peer",), (0.0,), self._window)
 
     def _contention(self, replica_id: str | None) -> OnlineLinearFit:
         """The slowdown fit of `replica_id`'s node once it has enough samples, else the fleet's."""
         fit = self._node_contention.get(self._node_of.get(replica_id, "")) if replica_id is not None else None
         return fit if fit is not None and len(fit.samples) >= self.MIN_NODE_SAMPLES else self.contention
 
-    def slowdown(self, busy_peers: int, replica_id: str | None = None, prefilling_peers: float = 0.0) -> float:
-        """How much longer work takes on a replica while `busy_peers` other engines on its node are busy,
-        `prefilling_peers` of them prefilling."""
+    def slowdown(self, busy_peers: int, replica_id: str | None = None) -> float:
+        """How much longer work takes on a replica while `busy_peers` other engines on its node are busy."""
         if busy_peers <= 0:
             return 1.0
-        features = (float(busy_peers), min(float(prefilling_peers), float(busy_peers)))
-        return 1.0 + max(0.0, self._contention(replica_id).predict(features))
+        return 1.0 + max(0.0, self._contention(replica_id).predict((float(busy_peers),)))
 
     def pull_ms(self, num_tokens: int) -> float:
         """Transfer the KV of `num_tokens` tokens from a holder (fixed handover part + bytes / bandwidth)."""
@@ -224,18 +214,16 @@ class CostModel:
         """Wait before a new request's first token beyond its own prefill: the known prefills ahead of it,
         other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
         batches a new prefill with the running decodes, so they cost it about one step, not one each)."""
-        peers, replica, prefilling = load.busy_peers, load.replica_id, load.prefilling_peers
-        ahead = (self.recompute_ms(load.prefill_tokens, 0, peers, replica, prefilling)
-                 + load.waiting * self.recompute_ms(256, 0, peers, replica, prefilling))
+        peers, replica = load.busy_peers, load.replica_id
+        ahead = (self.recompute_ms(load.prefill_tokens, 0, peers, replica)
+                 + load.waiting * self.recompute_ms(256, 0, peers, replica))
         return ahead + (self.step_ms(load) if load.running else 0.0)
 
-    def contention_impact_ms(self, overlap_ms: float, requests: float, replica_id: str | None = None,
-                             prefilling_ms: float = 0.0) -> float:
+    def contention_impact_ms(self, overlap_ms: float, requests: float, replica_id: str | None = None) -> float:
         """Delay imposed on `requests` requests working on a busy engine of a node while one more of its engines
-        (`replica_id`) works beside them for `overlap_ms`, and for `prefilling_ms` while it prefills: each runs slower
-        by the node's slowdown per busy peer for the first, by its extra per prefilling peer for the second."""
-        s, x = (max(0.0, c) for c in self._contention(replica_id).coef)
-        return (s * overlap_ms + x * prefilling_ms) * requests
+        (`replica_id`) works beside them for `overlap_ms`: each runs slower by the node's slowdown per busy peer."""
+        per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))
+        return per_peer * overlap_ms * requests
 
     def expected_output_tokens(self, max_tokens: int) -> int:
         """How many tokens a turn allowed `max_tokens` will decode: recent turns' average, at most `max_tokens`."""
@@ -245,15 +233,14 @@ class CostModel:
     # ---------------------------------------------------------------- calibration (mutates)
 
     def observe_prefill(
-        self, new_tokens: int, context_tokens: int, ms: float, busy_peers: int = 0, replica_id: str | None = None,
-        prefilling_peers: float = 0.0,
+        self, new_tokens: int, context_tokens: int, ms: float, busy_peers: int = 0, replica_id: str | None = None
     ) -> None:
         """A prefill that had its engine to itself, on `replica_id`: it teaches the fleet's fit (or, if peers were
-        busy, `prefilling_peers` of them prefilling, the slowdown) and that replica's speed relative to the fit. The
-        fit then describes the fleet's mix, and fit x factor each replica, whatever the mix."""
+        busy, the slowdown) and that replica's speed relative to the fit. The fit then describes the fleet's mix,
+        and fit x factor each replica, whatever the mix."""
         if new_tokens <= 0 or ms <= 0:
             return
-        fleet = self.recompute_ms(new_tokens, context_tokens, busy_peers, prefilling_peers=prefilling_peers)
+        fleet = self.recompute_ms(new_tokens, context_tokens, busy_peers)
         # Short prefills measure the fit's error at small lengths (overheads), not the replica's speed.
         if replica_id is not None and fleet > 0 and new_tokens >= self.MIN_SPEED_TOKENS:
             ratios = self._speed_ratios.setdefault(replica_id, deque(maxlen=32))
@@ -265,7 +252,7 @@ class CostModel:
             return
         solo = self.recompute_ms(new_tokens, context_tokens, replica_id=replica_id)
         if solo > 0:
-            sample = ((float(busy_peers), min(float(prefilling_peers), float(busy_peers))), ms / solo - 1.0)
+            sample = ((float(busy_peers),), ms / solo - 1.0)
             self.contention.observe(*sample)
             node = self._node_of.get(replica_id or "")
             if node:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import replace
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -99,8 +98,6 @@ class Option(NamedTuple):
     model_ms: float = 0.0
     # Delay this option imposes on other requests' first tokens: on its target, or on busy engines beside it.
     impact_ms: float = 0.0
-    # Busy engines beside the target expected to prefill while this option works there (`_prefilling_peers`).
-    prefilling_peers: float = 0.0
 
     @property
     def cost_ms(self) -> float:
@@ -125,10 +122,8 @@ class Plan(NamedTuple):
     hold: HoldOffer | None = None
     # Holds of this history the turn makes redundant (it leaves a longer one): release them once it runs.
     superseded: tuple[HoldOffer, ...] = ()
-    # Busy engines beside the target on its node when planned, and how many were expected to prefill during the
-    # turn (what its timings are measured under).
+    # Busy engines beside the target on its node when planned (what its timings are measured under).
     busy_peers: int = 0
-    prefilling_peers: float = 0.0
     # The chosen option's estimate before correction by the planner's measured error.
     model_ms: float = 0.0
     # The delay the chosen option imposes on other requests' first tokens (on its target or beside it).
@@ -159,18 +154,16 @@ def _options(
         own_hold = match.hold if match is not None else None
         if own_hold is not None and own_hold.replica_id != replica.replica_id:
             own_hold = None
-        prefilling = _prefilling_peers(replica, num_tokens - cached, cached, cost)
-        queue = cost.queue_ms(replace(replica.load, prefilling_peers=prefilling))
-        peers = (replica.busy_peers, replica.replica_id, prefilling)
+        queue = cost.queue_ms(replica.load)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
         for reused in (cached, own) if own > cached else (cached,):
-            compute = cost.recompute_ms(num_tokens - reused, reused, *peers)
+            compute = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
                                   cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
-                                  _impact_ms(replica, compute, output_tokens, cost), prefilling))
+                                  _impact_ms(replica, compute, output_tokens, cost)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -178,23 +171,12 @@ def _options(
             transfer = cost.pull_ms(reused - cached)
             if met is not None and (replica.replica_id, hold.replica_id) not in met:
                 transfer += cost.handshake_ms  # the target's first pull from this holder
-            rest = cost.recompute_ms(num_tokens - reused, reused, *peers)
+            rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
                                   cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms,
-                                  _impact_ms(replica, rest, output_tokens, cost), prefilling))
+                                  _impact_ms(replica, rest, output_tokens, cost)))
     return options
-
-
-def _prefilling_peers(target: ReplicaView, new_tokens: int, context_tokens: int, cost: CostModel) -> float:
-    """How many busy engines beside `target` will be prefilling while it works on a turn of `new_tokens` (its
-    queue, then the turn's prefill): each engine with a known prefill backlog counts for the share of that work
-    (solo times both) the backlog covers, so a short turn beside a long prefill counts it whole and a long turn
-    beside a short one a little."""
-    work = cost.recompute_ms(target.prefill_tokens) + cost.recompute_ms(new_tokens, context_tokens)
-    if work <= 0:
-        return 0.0
-    return sum(min(1.0, cost.recompute_ms(p.prefill_tokens) / work) for p in target.peers if p.prefill_tokens > 0)
 
 
 def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
@@ -211,27 +193,21 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
     On a busy target, requests that arrive while its prefill runs wait for it: at the target's recent arrival rate,
     about rate x compute^2 / 2 in all, so a long prefill on a busy engine costs far more than a short one. On an
     idle target, the node gains a busy engine for the turn's occupancy of it (its compute, then its decode at the
-    solo step), and each busy engine beside it runs slower by the measured contention meanwhile (more while the turn
-    prefills): the requests waiting there for their first token get it later for as long as both work (the
-    occupancy or that engine's prefill backlog, whichever ends first), and so do requests arriving there during the
-    occupancy (at that engine's recent rate, about rate x occupancy of them, each for half of it on average).
-    Requests already decoding there are slowed too, but their first tokens are out.
+    solo step), and each busy engine beside it runs slower by the measured contention meanwhile: the requests
+    waiting there for their first token get it later for as long as both work (the occupancy or that engine's
+    prefill backlog, whichever ends first), and so do requests arriving there during the occupancy (at that
+    engine's recent rate, about rate x occupancy of them, each for half of it on average). Requests already
+    decoding there are slowed too, but their first tokens are out.
     """
     if not target.idle:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2
     occupancy = compute_ms + output_tokens * cost.decode_step_ms
-    impact = 0.0
-    for peer in target.peers:
-        backlog = cost.recompute_ms(peer.prefill_tokens)
-        rate = peer.arrival_rate / 1e3
-        impact += (
-            cost.contention_impact_ms(min(occupancy, backlog), peer.waiting, target.replica_id,
-                                      prefilling_ms=min(compute_ms, backlog))
-            + cost.contention_impact_ms(occupancy / 2, rate * occupancy, target.replica_id)
-            # and those arriving during its prefill by the extra, for half of it on average
-            + cost.contention_impact_ms(0.0, rate * compute_ms, target.replica_id, prefilling_ms=compute_ms / 2)
-        )
-    return impact
+    return sum(
+        cost.contention_impact_ms(min(occupancy, cost.recompute_ms(peer.prefill_tokens)), peer.waiting,
+                                  target.replica_id)
+        + cost.contention_impact_ms(occupancy / 2, peer.arrival_rate / 1e3 * occupancy, target.replica_id)
+        for peer in target.peers
+    )
 
 
 def plan_turn(
@@ -301,7 +277,6 @@ def plan_turn(
             if m.hold is not None and not (reads_hold(chosen) and m.hold.hold_id == chosen.hold.hold_id)
         ),
         busy_peers=next(r.busy_peers for r in replicas if r.replica_id == chosen.replica_id),
-        prefilling_peers=round(chosen.prefilling_peers, 3),
         model_ms=round(chosen.model_ms, 2),
         impact_ms=round(chosen.impact_ms, 2),
     )

@@ -245,33 +245,6 @@ def test_each_node_learns_its_own_contention():
     assert set(cost.snapshot()["contention_by_node"]) == {"node-1", "node-2"}
 
 
-def test_engines_that_prefill_side_by_side_slow_each_other_by_what_was_measured_for_that():
-    cost = calibrated(prefill_ms_per_token=0.3)
-    for n in (200, 500, 1000):
-        cost.observe_prefill(n, 0, 1.2 * cost.recompute_ms(n), busy_peers=1)  # beside an engine decoding
-        cost.observe_prefill(n, 0, 3.0 * cost.recompute_ms(n), busy_peers=1, prefilling_peers=1.0)  # prefilling
-    assert cost.slowdown(1) == pytest.approx(1.2, rel=0.01)
-    assert cost.slowdown(1, prefilling_peers=1.0) == pytest.approx(3.0, rel=0.01)
-    assert cost.slowdown(1, prefilling_peers=0.5) == pytest.approx(2.1, rel=0.01)
-    # Starting work beside an engine with waiting first tokens slows them by the extra while the work prefills.
-    assert cost.contention_impact_ms(100, 2, prefilling_ms=40) == pytest.approx((0.2 * 100 + 1.8 * 40) * 2, rel=0.01)
-
-    # Two 3000-token conversations start together: "a" took the first (its prefill is under way), "b" is idle
-    # beside it. Prefilling the second on "b" would run both prefills side by side, each three times slower: it
-    # queues on "a", whose first token then comes sooner than both would side by side.
-    views = [ReplicaView("a", prefill_tokens=3000, prefilling=1), ReplicaView("b", peers=(PeerLoad(1, 3000),))]
-    assert plan_turn(3000, lookup(3000), views, cost).replica_id == "a"
-    # Where only decoding had been measured (20%), the idle engine was the better choice, and its plan says it
-    # expected the peer to prefill throughout (what that turn's timing then teaches the extra).
-    spread = plan_turn(3000, lookup(3000), views, contended(0.2))
-    assert spread.replica_id == "b" and spread.prefilling_peers == 1.0
-    # A short turn beside that long prefill counts the peer whole; a long turn beside a short prefill, a little.
-    short_beside_long = plan_turn(100, lookup(100), views[1:], cost, targets={"b"})
-    assert short_beside_long.prefilling_peers == 1.0
-    long_beside_short = plan_turn(3000, lookup(3000), [ReplicaView("b", peers=(PeerLoad(1, 100),))], cost)
-    assert 0.0 < long_beside_short.prefilling_peers < 0.1
-
-
 def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     from actors.replica_api import ReplicaStats
     from app.turns import InFlight
