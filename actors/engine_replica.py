@@ -176,12 +176,10 @@ class EngineReplica:
         return params
 
     def _transfer_params(self, request: GenerateRequest) -> dict[str, Any] | None:
-        """vLLM's `kv_transfer_params` for this request: read the KV it names (a pull, or P/D decode), else export
+        """vLLM's `kv_transfer_params` for this request: read the KV it names (a pull, P/D's handoff too), else export
         a hold so the next turn can pull from here."""
         if request.pull is not None:
             return request.pull.pull_params()
-        if request.prefilled is not None:
-            return request.prefilled.decode_params()
         if self.config.nixl.enabled and self.config.nixl.bidirectional and request.export_hold:
             return export_params()
         return None
@@ -206,7 +204,7 @@ class EngineReplica:
         from vllm.exceptions import VLLMClientError
 
         request = GenerateRequest.model_validate(request)
-        reads = request.pull or request.prefilled
+        reads = request.pull
         if reads is not None and not (reads.authentic(self._hold_key) and reads.covers(request.prompt_token_ids or ())):
             # vLLM would read whatever blocks the hold names: never read a hold no replica of this app sealed for
             # exactly the tokens this prompt starts with. Reported as a failed pull, which the caller recomputes.

@@ -61,13 +61,12 @@ class GenerateRequest(BaseModel):
     # One sequence (n=1); the replica sets how outputs stream and the KV transfer fields itself.
     params: SamplingParams = Field(default_factory=SamplingParams)
     # Set by the turn runner only, never taken from a client: they name KV blocks another engine holds.
-    # `pull`: read this hold's tokens' KV over NIXL, compute the rest of the prompt.
+    # `pull`: read this hold's tokens' KV over NIXL, compute the rest of the prompt (also P/D's handoff: the decode
+    # replica pulls the prompt from the prefill replica's hold and computes the prefill's one token).
     pull: Hold | None = None
     # The pull is the target's own hold (a turn that stays on its holder, read in memory): a replica the request
     # reaches instead (Serve could not route to the target) computes from its own cache rather than pull it.
     own_hold: bool = False
-    # `prefilled` (P/D): the prefill replica computed this whole prompt into this hold; read it and decode.
-    prefilled: Hold | None = None
     # Isolates tenants inside the engine's own prefix cache (vLLM's cache_salt).
     cache_salt: str | None = None
     priority: int = 0
@@ -85,8 +84,6 @@ class GenerateRequest(BaseModel):
             raise ValueError("give exactly one of prompt_token_ids and prompt")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
-        if self.pull is not None and self.prefilled is not None:
-            raise ValueError("give at most one of pull and prefilled")
         return self
 
 

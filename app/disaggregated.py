@@ -1,5 +1,6 @@
-"""Prefill/decode disaggregated turns: the plan runs as a one-token prefill on the prefill pool, whose KV a decode
-replica reads over NIXL before it decodes; the decode replica's hold is what the next turn pulls back."""
+"""Prefill/decode disaggregated turns: the plan runs as a one-token prefill on the prefill pool, whose token the client
+gets at once and whose KV a decode replica reads over NIXL before it decodes the rest; the decode replica's hold is
+what the next turn pulls back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta
-from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner
+from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner, continuation
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan
 from kvtransfer.types import Hold
@@ -18,9 +19,10 @@ from kvtransfer.types import Hold
 class DisaggregatedTurnRunner(TurnRunner):
     """Plans turns onto the prefill pool (`engines`) and decodes them on `decode_engines`.
 
-    The prefill replica computes the prompt (pulling the history when planned) and one token, and leaves a hold of
-    the whole prompt; a decode replica reads it and streams the reply. If the prefill replica cannot hand its KV
-    over, or the decode replica cannot read it, the prefill pool (kv_both replicas) runs the whole turn.
+    The prefill replica computes the prompt (pulling the history when planned) and one token, which streams to the
+    client at once, and leaves a hold of the prompt; a decode replica pulls it and streams the rest of the reply. If
+    the prefill replica cannot hand its KV over, it runs the whole turn (the prefill pool's replicas are kv_both);
+    if the decode replica cannot read it, it runs the rest.
     """
 
     def __init__(
@@ -51,7 +53,8 @@ class DisaggregatedTurnRunner(TurnRunner):
         self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,
         force: tuple[Mode, str] | None,
     ) -> AsyncIterator[GenerateDelta]:
-        """Prefill on P (pulling the history when planned) with one output token, then P->D and decode on D."""
+        """Prefill on P (pulling the history when planned) with one output token, shown to the client at once; then
+        D pulls P's KV of the prompt, computes that token's and decodes the rest."""
         skip_cache = force is not None and force[0] is Mode.RECOMPUTE
         params = turn.params.clone()
         params.max_tokens, params.min_tokens = 1, 0
@@ -66,26 +69,47 @@ class DisaggregatedTurnRunner(TurnRunner):
         if handoff is None:
             # P could not hand its KV over: it is a kv_both replica, so let it run the whole turn.
             self.counters["handoff_failures"] += 1
+            outcome.ttft_ms = None  # timed again on the turn that streams
             async for delta in self._run_on_prefill_pool(turn, plan, outcome, started, skip_cache):
                 yield delta
             return
         # The plan estimated P's time to its token (where the history came from decides it): learn its error.
         self._observe_error(plan, pull, outcome, force)
-        outcome.ttft_ms = None  # P's token is not shown: the client's first token comes from D
+        first = [t for d in prefilled for t in d.token_ids]
         reused = prefilled[-1].num_cached_tokens
-        decode_plan = plan._replace(replica_id="")
-        # D's prefill time is its transfer, not compute: it teaches the cost model nothing.
-        request = self._request(turn, decode_plan, "decode", prefilled=handoff)
-        async for delta in self._attempt(turn, decode_plan, request, outcome, started, self.decode_engines,
-                                         prefills=False):
-            if delta.finished:
-                delta.num_cached_tokens = reused
-                outcome.reused_tokens = reused
-            yield delta
-        if outcome.pull_failed:  # D could not read P's KV: P recomputes and serves the turn itself
-            outcome.pull_failed = False
-            async for delta in self._run_on_prefill_pool(turn, plan, outcome, started, skip_cache):
+        # P's token is the turn's first: the client gets it now, not after the handoff. The turn ends there if P
+        # stopped (end of sequence, a stop token) or the budget was one token.
+        rest = continuation(turn, first) if prefilled[-1].finish_reason == "length" else None
+        if rest is None:
+            self._record_hold(turn, turn.token_ids + first, prefilled[-1])  # P's KV is the next turn's to pull
+            for delta in prefilled:
                 yield delta
+            return
+        for delta in prefilled:
+            yield delta.model_copy(update={"finished": False, "finish_reason": None, "hold": None})
+        # D reads the prompt's KV from P's hold like any pull (the hold covers all but P's token), computes the
+        # token's and decodes the rest. Its prefill time is the transfer, not compute: it teaches the cost model
+        # nothing.
+        decode_plan = plan._replace(replica_id="", mode=Mode.PULL, holder=None)
+        request = self._request(rest, decode_plan, "decode", handoff)
+        async for delta in self._attempt(rest, decode_plan, request, outcome, started, self.decode_engines,
+                                         prefills=False):
+            yield self._whole_turn(delta, turn, len(first), reused, outcome)
+        if outcome.pull_failed:  # D could not read P's KV: P recomputes and serves the rest of the turn itself
+            outcome.pull_failed = False
+            async for delta in self._run_on_prefill_pool(rest, plan, outcome, started, skip_cache):
+                yield self._whole_turn(delta, turn, len(first), reused, outcome)
+
+    @staticmethod
+    def _whole_turn(delta: GenerateDelta, turn: Turn, streamed: int, reused: int, outcome: TurnOutcome
+                    ) -> GenerateDelta:
+        """A delta of the turn's rest, its totals (and the outcome's reuse) counted for the whole turn: `streamed`
+        tokens came from P, which reused `reused` prompt tokens (what D reads from P is the handoff, not reuse)."""
+        if not delta.finished:
+            return delta
+        outcome.reused_tokens = reused
+        return delta.model_copy(update={"prompt_tokens": len(turn.token_ids), "num_cached_tokens": reused,
+                                        "completion_tokens": streamed + delta.completion_tokens})
 
     def _run_on_prefill_pool(
         self, turn: Turn, plan: Plan, outcome: TurnOutcome, started: float, skip_cache: bool

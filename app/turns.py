@@ -376,17 +376,15 @@ class TurnRunner:
         return False
 
     def _request(
-        self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, prefilled: Hold | None = None,
-        skip_cache: bool = False,
+        self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, skip_cache: bool = False,
     ) -> GenerateRequest:
         """The request for one stage of a turn (`stage` names it: "turn", or "prefill" and "decode" for P/D)."""
         return GenerateRequest(
-            request_id=f"{turn.request_id}-{stage}-{'kv' if pull or prefilled else 'run'}",
+            request_id=f"{turn.request_id}-{stage}-{'kv' if pull else 'run'}",
             prompt_token_ids=turn.token_ids,
             params=turn.params,
             pull=pull,
             own_hold=pull is not None and plan.mode is Mode.LOCAL,
-            prefilled=prefilled,
             target_replica=plan.replica_id or None,
             cache_salt=turn.tenant or None,
             priority=turn.priority,
@@ -411,7 +409,7 @@ class TurnRunner:
         so once it has read what it reuses the holds it supersedes are released, and its timings teach the cost model.
         """
         engines = self.engines if engines is None else engines
-        reads_kv = request.pull is not None or request.prefilled is not None
+        reads_kv = request.pull is not None
         output: list[int] = []
         # Accounted on the planned replica (none for a P/D decode stage: Serve chooses), and moved to the one that
         # answers: that replica's heartbeats then count this request as this ingress's own, ended when it ends.

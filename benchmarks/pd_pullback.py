@@ -53,7 +53,7 @@ def run_app_modes(prefill_cache: bool, config: BenchConfig, throughput_optimized
         print("cost model after start-up calibration:", json.dumps(app.ingress.calibrated.remote().result()),
               flush=True)
         policies = [policy for _, policy in MODES[prefill_cache]]
-        summaries, _ = asyncio.run(benchmark(app.direct_url or app.base_url, model, [conversations],
+        summaries, records = asyncio.run(benchmark(app.direct_url or app.base_url, model, [conversations],
                                              config.model_copy(update={"policies": policies}),
                                              f"pd{int(prefill_cache)}-{time.time():.0f}"))
         stats = app.ingress.stats.remote().result()
@@ -61,6 +61,8 @@ def run_app_modes(prefill_cache: bool, config: BenchConfig, throughput_optimized
         stop_app(app)
     out = {label: summaries[policy] for label, policy in MODES[prefill_cache]}
     out["_planner"] = {"counters": stats["counters"], "cost_model": stats["cost_model"]}
+    label_of = {policy: label for label, policy in MODES[prefill_cache]}
+    out["_requests"] = [r.model_dump() | {"label": label_of[r.policy]} for r in records]
     return out
 
 
@@ -84,9 +86,11 @@ def main() -> None:
     started = time.time()
     results: dict[str, Any] = {}
     planner: dict[str, Any] = {}
+    requests: list[dict[str, Any]] = []
     for prefill_cache in (False, True):
         got = run_app_modes(prefill_cache, config, args.serve_mode == "throughput_optimized")
         planner[f"prefill_cache_{'on' if prefill_cache else 'off'}"] = got.pop("_planner")
+        requests += got.pop("_requests")
         results |= got
     p50 = {label: s["ttft_ms"]["p50"] for label, s in results.items()}
     figures = {
@@ -102,6 +106,8 @@ def main() -> None:
         "workload": config.model_dump(exclude={"policies"}),
         "serve_mode": args.serve_mode,
         "seconds": round(time.time() - started),
+        # Every turn of every mode (client-side TTFT, the ingress's own, the mode and replica it ran with).
+        "requests": requests,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")

@@ -89,11 +89,6 @@ class Hold:
         """Params for a turn on another engine that reads this hold's tokens (and leaves a hold of its own)."""
         return self._params(do_remote_prefill=False, do_remote_decode=True)
 
-    def decode_params(self) -> dict[str, Any]:
-        """P/D: params for the decode engine, which reads the whole prompt's KV from this prefill hold (vLLM's
-        P->D request: the hold as the prefill engine exported it)."""
-        return self._params(do_remote_prefill=True, do_remote_decode=False)
-
     def release_params(self) -> dict[str, Any]:
         """Params for `AsyncLLM.notify_kv_transfer_request_rejected` on another engine: free the hold early."""
         return self._params(do_remote_prefill=True, do_remote_decode=False)

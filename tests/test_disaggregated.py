@@ -43,6 +43,9 @@ def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disag
             timeout_s=120)
         assert result.token_ids == reference.token_ids, turn
         assert result.kvrelay.replica in decoders  # the reply streamed from the decode replica
+        # Its first token is the prefill replica's, timed there; the counts are the whole turn's.
+        assert result.ttft_ms is not None and result.ttft_ms < result.latency_ms
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(history), len(result.token_ids))
         if turn > 0:
             plan = result.kvrelay
             assert (plan.mode, plan.holder) == ("pull", next(iter(decoders))), plan
@@ -54,3 +57,14 @@ def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disag
     # turns teach nothing), as aggregated turns do.
     errors = disagg_app.ingress.stats.remote().result()["cost_model"]["estimate_error"]
     assert sum(kind["samples"] for kind in errors.values()) >= 1, errors
+
+
+def test_a_one_token_reply_ends_on_the_prefill_replica(disagg_app, tiny_app):
+    history = user_tokens(random.Random(8), 200)
+    one = disagg_app.ingress.turn.remote(history, {**GREEDY, "max_tokens": 1}).result(timeout_s=120)
+    reference = tiny_app.ingress.turn.remote(history, {**GREEDY, "max_tokens": 1}).result(timeout_s=120)
+    assert one.token_ids == reference.token_ids and one.finish_reason == "length"
+    replicas = disagg_app.ingress.stats.remote().result()["replicas"]
+    prefill = {r["replica_id"] for r in replicas if r["pool"] == "engines"}
+    assert one.kvrelay.replica in prefill  # nothing was left for a decode replica to do
+    assert (one.usage.prompt_tokens, one.usage.completion_tokens) == (len(history), 1)
