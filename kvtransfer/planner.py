@@ -302,15 +302,18 @@ def _fastest(options: Sequence[Option], preferred_replica: str | None) -> Option
 
 
 def _stay_unless_clearly_faster(options: Sequence[Option], fastest: Option) -> Option:
-    """`fastest`, unless it leaves the replica caching the longest part of the history without costing at least
-    STAY_MARGIN and STAY_MARGIN_MS less than staying there."""
+    """`fastest`, unless it leaves the replica caching the longest part of the history, or pulls onto it what it
+    could compute from its own cache, without costing at least STAY_MARGIN and STAY_MARGIN_MS less than staying
+    there. A pull costs more than its estimate shows: the holder's CPU for the transfer, and a second copy of the
+    KV (measured in P/D, where kvrelay pulled onto the prefill replica whenever the estimate was a few percent
+    lower: every turn of that run came slower than on the replica's own cache alone)."""
     stays = [o for o in options if o.mode is Mode.LOCAL]
     if not stays:
         return fastest
     most = max(o.reused_tokens for o in stays)
     homes = {o.replica_id for o in stays if o.reused_tokens == most}
     stay = min((o for o in stays if o.replica_id in homes), key=lambda o: o.cost_ms)
-    if fastest.replica_id == stay.replica_id:
+    if fastest.replica_id == stay.replica_id and fastest.mode is not Mode.PULL:
         return fastest
     if fastest.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS:
         return fastest

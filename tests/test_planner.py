@@ -183,8 +183,26 @@ def test_hold_params_are_rewritten_for_a_pull_and_for_a_release():
     assert {k: v for k, v in pull.items() if not k.startswith("do_")} == {
         k: v for k, v in exported.items() if not k.startswith("do_")}
     assert hold.release_params()["do_remote_prefill"] is True
-    assert hold.decode_params() == exported  # P/D: the decode replica gets the hold as it was exported
     assert Hold.from_params({"do_remote_decode": True}) is None
+
+
+def test_a_pull_onto_a_replica_that_caches_most_of_the_history_must_beat_its_cache_by_the_margin():
+    # P/D's shape: "p" caches the history but the last reply (its prefix cache), "d" holds all of it; turns run on
+    # "p" only. Pulling the reply saves computing it, minus the pull's fixed cost.
+    cost = calibrated(prefill_ms_per_token=0.3, pull_fixed_ms=8.0)
+    n, history = 1344, 1296
+    for reply in (32, 400):
+        cached = history - reply
+        found = lookup(n, ReplicaMatch("p", cached, "resident", cached, None),
+                       ReplicaMatch("d", history, "hold", history, hold("d", history)))
+        views = [ReplicaView("p"), ReplicaView("d")]
+        plan = plan_turn(n, found, views, cost, targets={"p"})
+        local, pull = plan.estimates_ms["local"], plan.estimates_ms["pull"]
+        assert pull < local  # by the estimates alone the pull always wins
+        if reply == 32:  # ...by a few ms (its fixed cost eats most of the 32 tokens' compute): not worth it
+            assert local - pull < local * STAY_MARGIN + STAY_MARGIN_MS and plan.mode is Mode.LOCAL
+        else:  # 400 tokens' compute is worth a pull
+            assert plan.mode is Mode.PULL and (plan.holder, plan.reused_tokens) == ("d", history)
 
 
 def test_baseline_policies_place_turns_by_their_own_rules():
