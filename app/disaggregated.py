@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from actors.directory_mirror import DirectoryMirror
-from actors.replica_api import GenerateDelta
+from actors.replica_api import GenerateDelta, GenerateRequest
 from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner, continuation
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan
@@ -46,8 +46,13 @@ class DisaggregatedTurnRunner(TurnRunner):
     def _output_tokens(self, turn: Turn) -> int:
         return 1  # the turn starts as a one-token prefill; the decode pool does the rest
 
-    def _leaves_holds(self, turn: Turn) -> bool:
-        return True  # the prefill hands its KV over; the decode leaves the history for the next turn
+    def _request(self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, skip_cache: bool = False
+                 ) -> GenerateRequest:
+        # The prefill always hands its KV over. The decode leaves the history for the next turn only under a policy
+        # that pulls it back: otherwise its hold would only pin the decode replica's blocks until its lease ends
+        # (vLLM's P/D without pull-back keeps none).
+        request = super()._request(turn, plan, stage, pull, skip_cache)
+        return request.model_copy(update={"export_hold": stage == "prefill" or turn.policy.pulls})
 
     async def _execute(
         self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,
