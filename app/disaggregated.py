@@ -62,7 +62,8 @@ class DisaggregatedTurnRunner(TurnRunner):
         D pulls P's KV of the prompt, computes that token's and decodes the rest."""
         skip_cache = force is not None and force[0] is Mode.RECOMPUTE
         params = turn.params.clone()
-        params.max_tokens, params.min_tokens = 1, 0
+        # One token; if the turn asks for at least one, P must not end it with an end of sequence either.
+        params.max_tokens, params.min_tokens = 1, min(1, turn.params.min_tokens)
         prefill = replace(turn, params=params)
         # P's own hold is D's to read, so it is not recorded.
         request = self._request(prefill, plan, "prefill", pull, skip_cache=skip_cache)
