@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from actors.directory_mirror import DirectoryMirror
-from actors.replica_api import GenerateDelta, GenerateRequest
-from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner, continuation
+from actors.replica_api import GenerateDelta
+from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner, continuation, whole_turn
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, Plan
 from kvtransfer.types import Hold
@@ -46,13 +46,11 @@ class DisaggregatedTurnRunner(TurnRunner):
     def _output_tokens(self, turn: Turn) -> int:
         return 1  # the turn starts as a one-token prefill; the decode pool does the rest
 
-    def _request(self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, skip_cache: bool = False
-                 ) -> GenerateRequest:
+    def _leaves_holds(self, turn: Turn, stage: str) -> bool:
         # The prefill always hands its KV over. The decode leaves the history for the next turn only under a policy
         # that pulls it back: otherwise its hold would only pin the decode replica's blocks until its lease ends
         # (vLLM's P/D without pull-back keeps none).
-        request = super()._request(turn, plan, stage, pull, skip_cache)
-        return request.model_copy(update={"export_hold": stage == "prefill" or turn.policy.pulls})
+        return stage == "prefill" or turn.policy.pulls
 
     async def _execute(
         self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,
@@ -100,22 +98,20 @@ class DisaggregatedTurnRunner(TurnRunner):
         request = self._request(rest, decode_plan, "decode", handoff)
         async for delta in self._attempt(rest, decode_plan, request, outcome, started, self.decode_engines,
                                          prefills=False):
-            yield self._whole_turn(delta, turn, len(first), reused, outcome)
+            yield self._counted(delta, turn, len(first), reused, outcome)
         if outcome.pull_failed:  # D could not read P's KV: P recomputes and serves the rest of the turn itself
             outcome.pull_failed = False
             async for delta in self._run_on_prefill_pool(rest, plan, outcome, started, skip_cache):
-                yield self._whole_turn(delta, turn, len(first), reused, outcome)
+                yield self._counted(delta, turn, len(first), reused, outcome)
 
     @staticmethod
-    def _whole_turn(delta: GenerateDelta, turn: Turn, streamed: int, reused: int, outcome: TurnOutcome
-                    ) -> GenerateDelta:
-        """A delta of the turn's rest, its totals (and the outcome's reuse) counted for the whole turn: `streamed`
-        tokens came from P, which reused `reused` prompt tokens (what D reads from P is the handoff, not reuse)."""
+    def _counted(delta: GenerateDelta, turn: Turn, streamed: int, reused: int, outcome: TurnOutcome) -> GenerateDelta:
+        """A delta of the turn's rest; the last counts the whole turn, whose reuse is P's (`reused` prompt tokens:
+        what D reads from P is the handoff, not reuse)."""
         if not delta.finished:
             return delta
         outcome.reused_tokens = reused
-        return delta.model_copy(update={"prompt_tokens": len(turn.token_ids), "num_cached_tokens": reused,
-                                        "completion_tokens": streamed + delta.completion_tokens})
+        return whole_turn(delta, turn, streamed, reused)
 
     def _run_on_prefill_pool(
         self, turn: Turn, plan: Plan, outcome: TurnOutcome, started: float, skip_cache: bool

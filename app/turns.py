@@ -70,6 +70,13 @@ def continuation(turn: Turn, produced: list[int]) -> Turn | None:
     return replace(turn, token_ids=turn.token_ids + produced, params=params)
 
 
+def whole_turn(last: GenerateDelta, turn: Turn, streamed: int, cached_tokens: int) -> GenerateDelta:
+    """The last delta of the rest of `turn` (after `streamed` tokens came from elsewhere), its totals counted for
+    the whole turn, `cached_tokens` of whose prompt were not computed."""
+    return last.model_copy(update={"prompt_tokens": len(turn.token_ids), "num_cached_tokens": cached_tokens,
+                                   "completion_tokens": streamed + last.completion_tokens})
+
+
 @dataclass
 class Turn:
     """One turn: the whole conversation so far as token ids, and how to sample the reply."""
@@ -299,11 +306,7 @@ class TurnRunner:
                 sent_before = len(rest.token_ids) - len(turn.token_ids)  # streamed by replicas that died
                 async for delta in self._execute(rest, plan, pull, outcome, started, force):
                     if delta.finished and sent_before:
-                        delta = delta.model_copy(update={
-                            "prompt_tokens": len(turn.token_ids),
-                            "completion_tokens": sent_before + delta.completion_tokens,
-                            "num_cached_tokens": min(delta.num_cached_tokens, len(turn.token_ids)),
-                        })
+                        delta = whole_turn(delta, turn, sent_before, min(delta.num_cached_tokens, len(turn.token_ids)))
                     produced.extend(delta.token_ids)
                     yield delta, outcome
                 return
@@ -334,8 +337,8 @@ class TurnRunner:
         """How many tokens the turn will decode on the replica it starts on (how long it keeps that engine busy)."""
         return self.cost.expected_output_tokens(turn.params.max_tokens or 1)
 
-    def _leaves_holds(self, turn: Turn) -> bool:
-        """Whether the turn's requests export a hold: only policies that pull need them, and only where another
+    def _leaves_holds(self, turn: Turn, stage: str) -> bool:
+        """Whether the turn's `stage` request exports a hold: only policies that pull need them, and only where another
         replica could pull it. A lone replica's hold would pin its KV blocks until the lease ends, for nobody (no
         other replica can release it either): under load they filled the cache and stalled every new request."""
         return turn.policy.pulls and len(self.replicas()) > 1
@@ -389,7 +392,7 @@ class TurnRunner:
             cache_salt=turn.tenant or None,
             priority=turn.priority,
             skip_prefix_cache=skip_cache,
-            export_hold=self._leaves_holds(turn),
+            export_hold=self._leaves_holds(turn, stage),
         )
 
     async def _attempt(
