@@ -58,6 +58,7 @@ from vllm.renderers.online_derenderer import OnlineDerenderer
 from vllm.renderers.online_renderer import OnlineRenderer
 
 from actors.replica_api import GenerateDelta
+from app.prompt_tokens import reuse_prompt_tokens
 from app.responses import ClientError, as_client_error
 from configs.app import OpenAISettings
 
@@ -153,6 +154,7 @@ class Frontend:
             os.environ.clear()
             os.environ.update(environ)
         renderer = renderer_from_config(vllm_config)
+        self.prompt_tokens = reuse_prompt_tokens(renderer)
         chat_template = load_chat_template(settings.chat_template)
         common: dict[str, Any] = dict(
             model_config=model_config,

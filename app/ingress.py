@@ -487,6 +487,8 @@ class Ingress:
             "plan_ms": {"p50": plan_ms[len(plan_ms) // 2], "p99": plan_ms[int(0.99 * (len(plan_ms) - 1))],
                         "samples": len(plan_ms)} if plan_ms else None,
             "replicas": [r.model_dump() for r in self.runner.replicas()],
+            # Prompts whose history's tokens were reused rather than tokenized again (app/prompt_tokens.py).
+            "prompt_token_reuse": self.frontend.prompt_tokens.public(),
         }
 
     # ------------------------------------------------------------------------------ turns

@@ -5,6 +5,11 @@ request to token ids and sampling parameters, derendering a whole answer, and de
 
 The conversation is a system prompt and a user turn of about 300 tokens of the default model; the answer is 32
 tokens. Medians after 50 warm-up iterations, in milliseconds.
+
+Long histories: conversations of a ~3k-token document and six turns, each turn's chat rendered by two front ends in
+turn, one reusing the tokens of the history it rendered before (as the ingress runs, app/prompt_tokens.py) and one
+tokenizing every prompt whole; medians over the turns after the first, once the reusing front end trusts reuse (its
+first reuses are checked against a full tokenization).
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from actors.replica_api import GenerateDelta
+from app.prompt_tokens import VERIFY_FIRST
 from app.frontend import Frontend
 from configs.app import OpenAISettings
 from configs.models import DEFAULT_MODEL
@@ -65,6 +72,34 @@ async def measure(frontend: Frontend, iterations: int) -> dict[str, float]:
             "derender_chunk_ms_p50": median_ms(chunk), "prompt_tokens": prompt_tokens, "answer_tokens": len(answer)}
 
 
+async def long_histories(frontends: dict[str, Frontend], conversations: int = 16) -> dict[str, object]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    rng = random.Random(0)
+    words = ANSWER.split()
+    times: dict[str, list[float]] = {name: [] for name in frontends}
+    tokens = 0
+    for _ in range(conversations):
+        messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(2400))},
+                    {"role": "user", "content": " ".join(rng.choice(words) for _ in range(20))}]
+        for turn in range(6):
+            request = ChatCompletionRequest.model_validate({"model": frontends["reuse"].served_name, "messages": messages,
+                                                           "max_tokens": 8})
+            # The first reuses of a process are checked against a full tokenization: time the steady state.
+            steady = frontends["reuse"].prompt_tokens.stats.verified >= VERIFY_FIRST
+            for name, frontend in frontends.items():
+                started = time.perf_counter()
+                rendered = await frontend.render_chat(request)
+                if turn and steady:
+                    times[name].append(time.perf_counter() - started)
+                tokens = len(rendered.token_ids)
+            messages += [{"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(60))},
+                         {"role": "user", "content": " ".join(rng.choice(words) for _ in range(15))}]
+    return {"long_history_render_ms_p50": {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()},
+            "long_history_prompt_tokens_last": tokens, "long_history_turns_timed": len(times["reuse"]),
+            "prompt_token_reuse": frontends["reuse"].prompt_tokens.public()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -73,6 +108,10 @@ def main() -> None:
     args = parser.parse_args()
     frontend = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
     figures = asyncio.run(measure(frontend, max(args.iterations, 60))) | {"model": args.model}
+    whole = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
+    whole.prompt_tokens.stats.disabled_reason = "off: this front end tokenizes every prompt whole"
+    reuse = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
+    figures |= asyncio.run(long_histories({"reuse": reuse, "whole": whole}))
     print(json.dumps(figures, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")

@@ -387,3 +387,29 @@ def test_a_prompt_of_token_ids_streams_and_answers(tiny_app):
     assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
     assert streamed[0]["prompt_token_ids"] == [5, 6, 7, 8, 9]
     assert all(c["prompt_token_ids"] is None for c in streamed[1:])
+
+
+def test_later_turns_reuse_the_history_tokens_and_get_exactly_a_full_tokenization(client, tiny_app):
+    """The ingress tokenizes only what a turn adds to its history (app/prompt_tokens.py); the prompt the engine
+    gets is still, token for token, what tokenizing the whole chat gives."""
+    from transformers import AutoTokenizer
+
+    from model_prep.store import ensure_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_model(MODEL, progress=lambda _msg: None))
+    stats = lambda: httpx.get(f"{tiny_app.base_url}/kvrelay/stats", headers=tiny_app.headers,  # noqa: E731
+                              timeout=30).json()["prompt_token_reuse"]
+    before = stats()
+    messages = [{"role": "system", "content": "You answer briefly, with care. " * 20}]
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"question {turn}: and what follows from that?"})
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                              extra_body={"return_token_ids": True})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert resp.prompt_token_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+    after = stats()
+    assert after["disabled_reason"] is None
+    # One ingress replica: the two later turns found their history (the first may find another test's chat).
+    assert after["hits"] - before["hits"] >= 2, (before, after)
+    assert after["tokens_reused"] - before["tokens_reused"] > 2 * 100, (before, after)
