@@ -52,6 +52,10 @@ class NixlSettings(BaseModel):
     # next turn uses the prefix cache or recomputes). The rest stays free for requests, which would otherwise wait
     # for a lease to end once holds filled the cache (kvtransfer/throttled_nixl.py).
     max_held_fraction: float = Field(default=0.5, gt=0, le=1)
+    # Transfer threads of NIXL's UCX backend, each with its own UCX worker and a TCP connection to every peer. None:
+    # none on CPU (a CPU engine has no cores to spare, and those workers' idle connections were seen to set UCX's
+    # progress thread spinning; README, Known limits), vLLM's 4 on accelerators (parallel RDMA transfers).
+    ucx_threads: int | None = Field(default=None, ge=0, le=64)
 
 
 class EngineConfig(BaseModel):

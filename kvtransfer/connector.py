@@ -61,6 +61,9 @@ def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str)
             "kvrelay_progress_delay_us": settings.progress_delay_us,
             "kvrelay_hold_step_s": settings.hold_step_s,
             "kvrelay_max_held_fraction": settings.max_held_fraction,
+            # vLLM's NIXL worker reads it as the UCX backend's transfer threads (its default: 4).
+            "num_threads": settings.ucx_threads if settings.ucx_threads is not None else
+            (0 if device_type == "cpu" else 4),
         },
     }
 

@@ -1,6 +1,6 @@
 """A replica costs only its compute: no worker process spinning beside the engine, no stepping while only holds
-are pending, the model's thread on the replica's own core, no lost wake-up after idle gaps, and holds that leave
-room for requests.
+are pending, the model's thread on the replica's own core, one UCX worker for NIXL, no lost wake-up after idle gaps,
+and holds that leave room for requests.
 
 Each test fails if its fix stops being in force (actors/lean_engine.py, kvtransfer/throttled_nixl.py). CPU use
 is read from the kernel's per-process accounting with wide margins: the broken behaviour costs a whole core.
@@ -83,6 +83,15 @@ def test_the_engine_process_hands_free_heap_pages_back(replica):
     assert HEAP_TRIM_THREAD.decode() in names, names
 
 
+def test_nixl_runs_one_ucx_worker_on_cpu(replica):
+    """vLLM asks NIXL's UCX backend for 4 transfer threads, each with its own UCX worker and TCP connections (the
+    agent connects every worker to itself at start-up): on CPU kvrelay asks for none, which leaves one connection
+    of the engine to itself (both ends in this process) instead of ten."""
+    engine_core = vllm_processes(replica)["engine_core"][0]
+    established = [c for c in engine_core.net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED]
+    assert 0 < len(established) <= 2, established
+
+
 def test_an_idle_replica_with_a_pending_hold_does_not_spin(loop_thread, replica):
     deltas = run(loop_thread, replica, list(range(200, 456)), 4, export_hold=True)
     assert deltas[-1].hold is not None, "the turn should have left a hold"
@@ -162,3 +171,16 @@ def test_the_engine_process_exits_when_its_replica_process_dies(tmp_path):
     else:
         psutil.Process(engine_pid).kill()  # leave nothing behind, then fail
         pytest.fail("vLLM's engine process outlived its replica's process by 10 s")
+
+
+def test_accelerators_keep_vllms_ucx_transfer_threads():
+    """One UCX worker is for CPU engines; on a GPU, vLLM's 4 transfer threads stay (parallel RDMA transfers)."""
+    from configs.engine import NixlSettings
+    from kvtransfer.connector import kv_transfer_config
+
+    def threads(settings: NixlSettings, device: str) -> int:
+        return kv_transfer_config(settings, "engine", device)["kv_connector_extra_config"]["num_threads"]
+
+    assert threads(NixlSettings(), "cpu") == 0
+    assert threads(NixlSettings(), "cuda") == 4
+    assert threads(NixlSettings(ucx_threads=2), "cpu") == 2
