@@ -127,8 +127,9 @@ class PromptTokenCache:
             cut_points = [p for p in prompt.cut_points if p[0] < cut]
             keys = [k for k in prompt.keys if k[0] < cut]  # the same text before them: the same keys
             cut_points += self._cut_points(text, tail_ids, tail_offsets, cut, index)
-            if not self._verified(text, ids, encode):
-                return list(encode(text)[0])
+            full = self._mismatch(text, ids, encode)
+            if full is not None:
+                return full
             with self._lock:
                 self.stats.hits += 1
                 self.stats.tokens_reused += index
@@ -169,25 +170,30 @@ class PromptTokenCache:
                 return prompt, cut, index
         return None
 
-    def _verified(self, text: str, ids: list[int], encode: Encode) -> bool:
-        """Whether a reuse may be trusted: the first VERIFY_FIRST are compared with a full tokenization."""
+    def _mismatch(self, text: str, ids: list[int], encode: Encode) -> list[int] | None:
+        """A full tokenization of `text` if it differs from the reused `ids` (reuse is then turned off), else None.
+        Only the first VERIFY_FIRST reuses of a process are checked; later ones are trusted."""
         with self._lock:
-            if self.stats.verified >= VERIFY_FIRST or not self.usable:
-                return self.usable
+            if self.stats.verified >= VERIFY_FIRST:
+                return None
         full = list(encode(text)[0])
-        with self._lock:
-            if full == ids:
+        if full == ids:
+            with self._lock:
                 self.stats.verified += 1
-                return True
-            first = next((k for k, (a, b) in enumerate(zip(full, ids)) if a != b), min(len(full), len(ids)))
-            self.stats.disabled_reason = (f"a reused prefix gave other tokens than a full tokenization (prompt of "
-                                          f"{len(text)} characters, {len(full)} tokens; first difference at token "
-                                          f"{first})")
-            logger.error("prompt token reuse turned off: %s", self.stats.disabled_reason)
+            return None
+        first = next((k for k, (a, b) in enumerate(zip(full, ids, strict=False)) if a != b), min(len(full), len(ids)))
+        self.turn_off(f"a reused prefix gave other tokens than a full tokenization (prompt of {len(text)} characters, "
+                      f"{len(full)} tokens; first difference at token {first})")
+        logger.error("prompt token reuse turned off: %s", self.stats.disabled_reason)
+        return full
+
+    def turn_off(self, reason: str) -> None:
+        """No reuse from now on in this process (every prompt is tokenized whole); the cached prompts are let go."""
+        with self._lock:
+            self.stats.disabled_reason = reason
             self._prompts.clear()
             self._index.clear()
             self._tokens = 0
-            return False
 
     def _store(
         self, text: str, ids: list[int], cut_points: list[tuple[int, int]], keys: list[tuple[int, int]]

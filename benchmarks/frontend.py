@@ -24,8 +24,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from actors.replica_api import GenerateDelta
-from app.prompt_tokens import VERIFY_FIRST
 from app.frontend import Frontend
+from app.prompt_tokens import VERIFY_FIRST
 from configs.app import OpenAISettings
 from configs.models import DEFAULT_MODEL
 from model_prep.store import model_path
@@ -83,8 +83,8 @@ async def long_histories(frontends: dict[str, Frontend], conversations: int = 16
         messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(2400))},
                     {"role": "user", "content": " ".join(rng.choice(words) for _ in range(20))}]
         for turn in range(6):
-            request = ChatCompletionRequest.model_validate({"model": frontends["reuse"].served_name, "messages": messages,
-                                                           "max_tokens": 8})
+            request = ChatCompletionRequest.model_validate(
+                {"model": frontends["reuse"].served_name, "messages": messages, "max_tokens": 8})
             # The first reuses of a process are checked against a full tokenization: time the steady state.
             steady = frontends["reuse"].prompt_tokens.stats.verified >= VERIFY_FIRST
             for name, frontend in frontends.items():
@@ -109,7 +109,7 @@ def main() -> None:
     frontend = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
     figures = asyncio.run(measure(frontend, max(args.iterations, 60))) | {"model": args.model}
     whole = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
-    whole.prompt_tokens.stats.disabled_reason = "off: this front end tokenizes every prompt whole"
+    whole.prompt_tokens.turn_off("this front end tokenizes every prompt whole")
     reuse = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
     figures |= asyncio.run(long_histories({"reuse": reuse, "whole": whole}))
     print(json.dumps(figures, indent=2))
