@@ -155,13 +155,45 @@ def session_processes(sid: int) -> dict[int, str]:
     return found
 
 
+def engine_processes(sid: int) -> list[int]:
+    """vLLM engine-core processes in session `sid`: by the title vLLM gives them (setproctitle writes it to
+    /proc/PID/cmdline and, cut to 15 characters, to /proc/PID/comm; Ray's own tests check both, as the cmdline does
+    not always show it), or, still untitled, as a `multiprocessing` spawn child of a Serve replica (the replica
+    starts its engine that way; its resource tracker is a child too but not a spawn)."""
+    found = []
+    for pid, cmd in session_processes(sid).items():
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            parent = Path(f"/proc/{pid}/stat").read_text()
+            ppid = int(parent.rsplit(")", 1)[1].split()[1])
+            parent_title = (Path(f"/proc/{ppid}/cmdline").read_bytes() + b" " + Path(f"/proc/{ppid}/comm").read_bytes())
+        except (OSError, ValueError):
+            continue
+        spawned_by_replica = "multiprocessing.spawn" in cmd and b"ServeReplica" in parent_title
+        if "VLLM::EngineCore" in cmd or comm.startswith("VLLM::EngineCor") or spawned_by_replica:
+            found.append(pid)
+    return found
+
+
+def describe_processes(sid: int) -> str:
+    """Every process of session `sid`, one line each (pid, parent, comm, command line), for a failure message."""
+    lines = []
+    for pid, cmd in sorted(session_processes(sid).items()):
+        try:
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            ppid, comm = "?", "?"
+        lines.append(f"{pid} (parent {ppid}) [{comm}] {cmd[:160]}")
+    return "\n".join(lines)
+
+
 def test_nothing_survives_a_sigkill_of_serve_runs_process_group(served):
     """As a harness, `timeout` or a supervisor stops it: SIGKILL to the whole group, so nobody shuts the engines
     down. Every process `serve run` started (Ray, Serve's replicas, vLLM's engines) is gone 15 s later. Runs last in
     this module: it ends the app the other tests used."""
     proc = served.proc
-    started = session_processes(proc.pid)
-    assert any("VLLM::EngineCore" in cmd for cmd in started.values()), started
+    assert engine_processes(proc.pid), describe_processes(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
     deadline = time.monotonic() + 15
