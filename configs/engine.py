@@ -41,9 +41,12 @@ class NixlSettings(BaseModel):
     side_channel_port: int | None = Field(default=None, ge=1024, le=65535)
     # None: the Ray node's IP address, so peers on other hosts can reach it.
     side_channel_host: str | None = None
-    # Microseconds NIXL's progress thread sleeps between polls (kvtransfer/throttled_nixl.py). NIXL's own 0 makes
-    # the thread spin a whole core per engine even when idle; 0 keeps NIXL's own (no pause).
-    progress_delay_us: int = Field(default=200, ge=0, le=100_000)
+    # The timeout (microseconds) of NIXL's progress thread's poll() on its UCX workers' event fds
+    # (kvtransfer/throttled_nixl.py). Traffic on a worker's sockets wakes the thread at once; the timeout only bounds
+    # how late it sees progress no fd signals, and sets how often an idle engine wakes. NIXL's own 0 makes the
+    # thread spin a whole core per engine even when idle; 0 keeps NIXL's own. 10 ms: half the idle CPU of 200 us,
+    # pulls as fast within 2% (benchmarks/progress_delay.py).
+    progress_delay_us: int = Field(default=10_000, ge=0, le=100_000)
     # Seconds between the steps an engine makes only to free held blocks (a finished pull, a release, an
     # expired lease): vLLM steps every millisecond while any hold is pending (actors/lean_engine.py). 0 keeps
     # vLLM's scheduler as it is.

@@ -100,6 +100,37 @@ def test_an_idle_replica_with_a_pending_hold_does_not_spin(loop_thread, replica)
     assert cores_used(procs, 2.0) < 0.25
 
 
+def wakeups(process: psutil.Process) -> dict[str, int]:
+    """Voluntary context switches (a thread going to sleep: one per wake-up) per thread name, so far."""
+    found: dict[str, int] = {}
+    for thread in process.threads():
+        task = Path(f"/proc/{process.pid}/task/{thread.id}")
+        try:
+            name = (task / "comm").read_text().strip()
+            switches = int((task / "status").read_text().split("voluntary_ctxt_switches:")[1].split()[0])
+        except OSError:
+            continue
+        found[f"{name}/{thread.id}"] = switches
+    return found
+
+
+def test_an_idle_engine_wakes_rarely(loop_thread, replica):
+    """An idle engine sleeps. Two threads wake it about 100 times a second each: NIXL's UCX progress thread, whose
+    poll() times out every `nixl.progress_delay_us` (10 ms; at 200 us it woke about 1,000 times a second and used
+    twice the idle CPU, benchmarks/progress_delay.py; at NIXL's own 0 it spins), and the one gloo device's loop
+    thread (10 ms), shared by all of vLLM's single-rank process groups: with a device each, 12 such threads woke
+    1,200 times a second (actors/lean_engine.py, `one_gloo_device_per_process`)."""
+    assert replica.config.nixl.progress_delay_us >= 10_000
+    time.sleep(HOLD_TTL_S + 1)  # no hold pending from earlier tests (their lease steps the engine 4 times a second)
+    engine_core = vllm_processes(replica)["engine_core"][0]
+    before, started = wakeups(engine_core), time.monotonic()
+    time.sleep(3.0)
+    after, elapsed = wakeups(engine_core), time.monotonic() - started
+    per_s = {name: (after[name] - count) / elapsed for name, count in before.items() if name in after}
+    assert sum(per_s.values()) < 400, sorted(per_s.items(), key=lambda item: -item[1])[:5]
+    assert sum(name.startswith("gloo_tcp_loop/") for name in after) == 1, sorted(after)
+
+
 def test_an_expired_hold_is_freed_while_the_replica_is_idle(loop_thread, replica):
     """The quiet scheduler still steps for holds, only less often: an expired lease frees its blocks."""
     run(loop_thread, replica, list(range(300, 812)), 4, export_hold=True)
