@@ -158,8 +158,8 @@ def session_processes(sid: int) -> dict[int, str]:
 def engine_processes(sid: int) -> list[int]:
     """vLLM engine-core processes in session `sid`: by the title vLLM gives them (setproctitle writes it to
     /proc/PID/cmdline and, cut to 15 characters, to /proc/PID/comm; Ray's own tests check both, as the cmdline does
-    not always show it), or, still untitled, as a `multiprocessing` spawn child of a Serve replica (the replica
-    starts its engine that way; its resource tracker is a child too but not a spawn)."""
+    not always show it), or, untitled, as a `multiprocessing` spawn child of a Serve replica's Ray worker (the
+    replica starts its engine that way; its resource tracker is a child too but not a spawn)."""
     found = []
     for pid, cmd in session_processes(sid).items():
         try:
@@ -169,7 +169,10 @@ def engine_processes(sid: int) -> list[int]:
             parent_title = (Path(f"/proc/{ppid}/cmdline").read_bytes() + b" " + Path(f"/proc/{ppid}/comm").read_bytes())
         except (OSError, ValueError):
             continue
-        spawned_by_replica = "multiprocessing.spawn" in cmd and b"ServeReplica" in parent_title
+        # A Ray worker is titled "ray::ServeReplica:..." once it runs a replica; untitled, its command line names
+        # Ray's worker script (the CI failure's listing showed untitled Ray workers beside the untitled engine).
+        spawned_by_replica = "multiprocessing.spawn" in cmd and (b"ServeReplica" in parent_title
+                                                                 or b"default_worker.py" in parent_title)
         if "VLLM::EngineCore" in cmd or comm.startswith("VLLM::EngineCor") or spawned_by_replica:
             found.append(pid)
     return found
