@@ -42,7 +42,8 @@ models: $(STAMPS)/model-$(DEFAULT_MODEL)
 
 # Ray Serve's throughput-optimized mode: the ingress replica answers HTTP on its own port (8001; Serve's proxy
 # stays on 8000), deployments talk over gRPC, user code runs on each replica's loop. Per request the ingress
-# adds ~4.5 ms there against ~22 ms through the proxy (README, "What is on"; benchmarks/results/overhead*.json).
+# added 4.5 ms there against ~22 ms through the proxy in one session, 7-10 ms on later runs (README, "What is on";
+# benchmarks/results/overhead*.json).
 # Serve's processes export their cached metrics every 1000 ms instead of 100: a tenth of those wake-ups, about 0.004
 # of a core less per idle replica (README, "What a replica costs").
 SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 \

@@ -19,31 +19,25 @@ import statistics
 import time
 from pathlib import Path
 
-import psutil
-
 from benchmarks.common import start_app, stop_app
 from benchmarks.crossover import GREEDY_ONE
+from benchmarks.scaling import CoreMeter, process_kinds
 
 HISTORIES = (256, 1024)
 DELTA = 32
 IDLE_S = 20.0
 
 
-def engine_processes(app) -> list[psutil.Process]:
+def idle_cores_per_engine(seconds: float) -> float:
+    """Cores used per engine process over `seconds` with nothing to do."""
     from ray import serve
 
     directory = serve.get_deployment_handle("kv_directory", app_name="bench")
-    return [psutil.Process(pid) for i in directory.replica_identities.remote().result() for pid in i.engine_pids]
-
-
-def idle_cores(processes: list[psutil.Process], seconds: float) -> float:
-    """Cores used per engine process over `seconds` with nothing to do."""
-    def cpu() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in processes)
-
-    before, started = cpu(), time.monotonic()
+    engines = process_kinds(directory.replica_identities.remote().result())["engine_core"]
+    meter = CoreMeter({"engine_core": engines})
+    meter.start()
     time.sleep(seconds)
-    return (cpu() - before) / (time.monotonic() - started) / len(processes)
+    return meter.stop()["engine_core"] / len(engines)
 
 
 def turn_ttfts(app, reps: int, rng: random.Random) -> dict[str, dict[str, float]]:
@@ -52,9 +46,9 @@ def turn_ttfts(app, reps: int, rng: random.Random) -> dict[str, dict[str, float]
     found: dict[str, dict[str, list[float]]] = {str(h): {"local": [], "pull": []} for h in HISTORIES}
     for rep in range(reps):
         holder, other = replicas[rep % 2], replicas[(rep + 1) % 2]
+        order = [("local", holder), ("pull", other)]
         for history in HISTORIES:
-            for mode, target in (("pull", other), ("local", holder)) if rep % 2 else (("local", holder),
-                                                                                    ("pull", other)):
+            for mode, target in order[::-1] if rep % 2 else order:
                 prompt = [rng.randrange(100, app.vocab_size) for _ in range(history)]
                 first = app.ingress.turn.remote(prompt, GREEDY_ONE, ("recompute", holder)).result()
                 follow = prompt + first.token_ids + [rng.randrange(100, app.vocab_size) for _ in range(DELTA)]
@@ -79,7 +73,7 @@ def main() -> None:
                 rng = random.Random(round_)
                 turn_ttfts(app, 1, rng)  # first pulls each way (handshakes) and warm-up, outside the figures
                 time.sleep(5)
-                idle = idle_cores(engine_processes(app), IDLE_S)
+                idle = idle_cores_per_engine(IDLE_S)
                 ttft = turn_ttfts(app, args.reps, rng)
                 pull_fit = app.ingress.stats.remote().result()["cost_model"].get("pull")
             finally:

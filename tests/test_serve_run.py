@@ -155,6 +155,12 @@ def session_processes(sid: int) -> dict[int, str]:
     return found
 
 
+def parent_and_comm(pid: int) -> tuple[int, str]:
+    """A process's parent pid and its /proc/PID/comm (raises OSError once it is gone)."""
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return ppid, Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def engine_processes(sid: int) -> list[int]:
     """vLLM engine-core processes in session `sid`: by the title vLLM gives them (setproctitle writes it to
     /proc/PID/cmdline and, cut to 15 characters, to /proc/PID/comm; Ray's own tests check both, as the cmdline does
@@ -163,11 +169,9 @@ def engine_processes(sid: int) -> list[int]:
     found = []
     for pid, cmd in session_processes(sid).items():
         try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            parent = Path(f"/proc/{pid}/stat").read_text()
-            ppid = int(parent.rsplit(")", 1)[1].split()[1])
-            parent_title = (Path(f"/proc/{ppid}/cmdline").read_bytes() + b" " + Path(f"/proc/{ppid}/comm").read_bytes())
-        except (OSError, ValueError):
+            ppid, comm = parent_and_comm(pid)
+            parent_title = Path(f"/proc/{ppid}/cmdline").read_bytes() + b" " + parent_and_comm(ppid)[1].encode()
+        except OSError:
             continue
         # A Ray worker is titled "ray::ServeReplica:..." once it runs a replica; untitled, its command line names
         # Ray's worker script (the CI failure's listing showed untitled Ray workers beside the untitled engine).
@@ -183,8 +187,7 @@ def describe_processes(sid: int) -> str:
     lines = []
     for pid, cmd in sorted(session_processes(sid).items()):
         try:
-            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            ppid, comm = parent_and_comm(pid)
         except OSError:
             ppid, comm = "?", "?"
         lines.append(f"{pid} (parent {ppid}) [{comm}] {cmd[:160]}")
