@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +25,14 @@ def requested_replica(pending_request: PendingRequest | None) -> str | None:
     return getattr(request, "target_replica", None)
 
 
-class TargetReplicaRouter(PowerOfTwoChoicesRequestRouter):
-    """Routes to `request.target_replica` when that replica is alive, else power of two choices."""
+class TargetReplicaRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Routes to `request.target_replica` when that replica is alive, else power of two choices.
+
+    Serve's own power-of-two router also mixes in `FIFOMixin`, which hands a replica found for one pending request
+    to the oldest pending request instead: with several turns routing at once, a turn ran on the replica planned
+    for another (seen under the multi-turn benchmark's bursts of first turns). Without it, Serve's base router gives
+    each request the replica chosen for it.
+    """
 
     async def choose_replicas(
         self,
@@ -39,4 +45,4 @@ class TargetReplicaRouter(PowerOfTwoChoicesRequestRouter):
                 if replica.replica_id.unique_id == target:
                     return [[replica]]
             logger.debug("target replica %s is gone; falling back to power of two choices", target)
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)

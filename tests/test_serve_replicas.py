@@ -8,6 +8,7 @@ import uuid
 import httpx
 
 from actors.replica_api import GenerateRequest, Sampling
+from configs.app import PoolConfig
 
 
 def identities(engines) -> dict:
@@ -52,6 +53,36 @@ def test_both_replicas_stream_when_targeted(tiny_app):
         assert len(deltas) > 1, "expected a stream of several deltas"
         assert all(d.replica_id == target for d in deltas)
         assert deltas[-1].finished and deltas[-1].completion_tokens == 8
+
+
+def test_a_request_waits_for_the_replica_it_targets_rather_than_take_another_ones(tiny_app):
+    """Serve's power-of-two router hands a replica found for one pending request to the oldest pending one (its FIFO
+    mixin). So while the replica a turn targets is full, a later turn's replica went to it: the turn ran where it
+    was not planned (without its cached history), and bursts of first turns planned on two replicas all ran on one."""
+    engines = tiny_app.engines
+    full, free = sorted(identities(engines))
+    slots = PoolConfig().max_ongoing_requests  # the tiny app keeps the default
+
+    async def run(target: str, max_tokens: int) -> str:
+        request = GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompt="one two three",
+            params=Sampling(max_tokens=max_tokens, ignore_eos=True).to_params(),
+            target_replica=target,
+        )
+        deltas = [d async for d in engines.options(stream=True).generate.remote(request)]
+        return deltas[-1].replica_id
+
+    async def scenario() -> list[str]:
+        occupying = [asyncio.ensure_future(run(full, 400)) for _ in range(slots)]
+        await asyncio.sleep(0.5)  # every slot of `full` is taken
+        waiting = asyncio.ensure_future(run(full, 2))
+        await asyncio.sleep(0.2)  # its routing is pending when the next request comes
+        served = [await run(free, 2), await waiting]
+        await asyncio.gather(*occupying)
+        return served
+
+    assert asyncio.run(scenario()) == [free, full]
 
 
 def test_minimal_http_ingress_lists_the_model(tiny_app):
