@@ -112,6 +112,8 @@ class RequestRecord(BaseModel):
     estimate_ms: float | None = None
     # Its time to first token as the ingress measured it (the rest of ttft_ms is the HTTP path and this client).
     server_ttft_ms: float | None = None
+    # Why the planner chose it, with the other options' estimates and the delay it imposes on others.
+    reason: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ workload
@@ -205,6 +207,7 @@ async def one_turn(http: httpx.AsyncClient, model: str, policy: str, conv: Conve
                     record.reused_tokens = chunk["kvrelay"]["reused_tokens"]
                     record.estimate_ms = chunk["kvrelay"]["estimates_ms"].get(record.mode)
                     record.server_ttft_ms = chunk["kvrelay"].get("ttft_ms")
+                    record.reason = chunk["kvrelay"].get("reason")
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         record.error = repr(exc)[:300]
         return record, ""

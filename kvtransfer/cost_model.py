@@ -8,7 +8,9 @@ Both are linear models fitted online by least squares over the most recent obser
 
 The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
 on the busy engines beside it by s for as long as the turn keeps it busy (`contention_impact_ms`; how long comes
-from the turn's prefill, its expected output tokens and the solo decode step, each measured here too).
+from the turn's prefill, its expected output tokens and the solo decode step, each measured here too), and again
+for each later turn its conversation will bring there (`expected_future_turns`, from the share of recent turns
+that continued a conversation).
 
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
 had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1),
@@ -143,6 +145,8 @@ class CostModel:
     MIN_SPEED_SAMPLES = 6
     MIN_SPEED_TOKENS = 128
     MIN_NODE_SAMPLES = 4
+    # The most later turns of a conversation priced into a placement.
+    MAX_FUTURE_TURNS = 8.0
 
     def __init__(self, kv_bytes: Callable[[int], int], window: int = 64) -> None:
         self.kv_bytes = kv_bytes
@@ -161,6 +165,9 @@ class CostModel:
         self.typical_output_tokens: float | None = None
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
         self.handshake_ms = 0.0
+        # Whether each recent turn continued a conversation: how many more turns a turn's conversation will bring
+        # to wherever it runs (`expected_future_turns`).
+        self._continued: deque[bool] = deque(maxlen=window)
         # Per replica: recent measured / fleet-estimated prefill ratios, and their median once there are enough.
         self._speed_ratios: dict[str, deque[float]] = {}
         self._speed: dict[str, float] = {}
@@ -225,6 +232,18 @@ class CostModel:
         per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))
         return per_peer * overlap_ms * requests
 
+    def expected_future_turns(self) -> float:
+        """How many more turns a conversation brings after this one, from the share c of turns that continue one:
+        with conversations of T turns on average, c = (T - 1) / T, so T - 1 = c / (1 - c); at most
+        MAX_FUTURE_TURNS. One-shot traffic (c = 0) brings none."""
+        share = min(self.continuation_share, self.MAX_FUTURE_TURNS / (1 + self.MAX_FUTURE_TURNS))
+        return share / (1 - share)
+
+    @property
+    def continuation_share(self) -> float:
+        """The share of recent turns that continued a conversation (0 before any was seen)."""
+        return sum(self._continued) / len(self._continued) if self._continued else 0.0
+
     def expected_output_tokens(self, max_tokens: int) -> int:
         """How many tokens a turn allowed `max_tokens` will decode: recent turns' average, at most `max_tokens`."""
         typical = self.typical_output_tokens
@@ -273,6 +292,10 @@ class CostModel:
             prev = self.typical_output_tokens
             self.typical_output_tokens = completion_tokens if prev is None else 0.9 * prev + 0.1 * completion_tokens
 
+    def observe_turn(self, continues: bool) -> None:
+        """A planned turn, and whether it continues a conversation (mutates the window of recent turns)."""
+        self._continued.append(continues)
+
     def observe_pull(self, num_tokens: int, ms: float) -> None:
         """`ms`: the transfer's share of a pulled turn's prefill time (measured minus the delta's compute)."""
         if num_tokens > 0 and ms > 0:
@@ -298,6 +321,8 @@ class CostModel:
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.typical_output_tokens,
             "handshake_ms": self.handshake_ms,
+            "continuation_share": round(self.continuation_share, 3),
+            "expected_future_turns": round(self.expected_future_turns(), 2),
             "replica_speed": {r: round(f, 3) for r, f in sorted(self._speed.items())},
             "estimate_error": self.error.as_dict(),
         }

@@ -198,14 +198,25 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
     prefill backlog, whichever ends first), and so do requests arriving there during the occupancy (at that
     engine's recent rate, about rate x occupancy of them, each for half of it on average). Requests already
     decoding there are slowed too, but their first tokens are out.
+
+    A turn also decides where its conversation lives: its later turns find their history on the target and stay
+    there (moving them costs a pull or a recompute). So on an idle target the arrivals beside it are slowed again
+    during each later turn's decode, for as many turns as conversations have been bringing
+    (`CostModel.expected_future_turns`). On a busy target a later turn only adds its short prefill to the batch, and
+    a decode there is one more row of a step the engine takes anyway: not priced. That is the difference between
+    one engine and two on shared cores: a CPU decode step costs about the same for one request or eight, so a
+    second engine decoding beside the first costs the node a core while one engine's batch grows for free.
     """
     if not target.idle:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2
     occupancy = compute_ms + output_tokens * cost.decode_step_ms
+    later = output_tokens * cost.decode_step_ms  # each later turn's stay: its decode (its prefill is short)
+    future = cost.expected_future_turns()
     return sum(
         cost.contention_impact_ms(min(occupancy, cost.recompute_ms(peer.prefill_tokens)), peer.waiting,
                                   target.replica_id)
         + cost.contention_impact_ms(occupancy / 2, peer.arrival_rate / 1e3 * occupancy, target.replica_id)
+        + cost.contention_impact_ms(later / 2, future * peer.arrival_rate / 1e3 * later, target.replica_id)
         for peer in target.peers
     )
 

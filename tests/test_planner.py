@@ -8,7 +8,7 @@ from app.turns import preferred_replica
 from configs.app import Policy
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView, plan_turn
+from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView, _options, plan_turn
 from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
 
@@ -381,6 +381,31 @@ def test_requests_that_only_decode_beside_an_idle_engine_cost_it_only_the_first_
     busy = [ReplicaView("a", running=3, arrival_rate=8.0),
             ReplicaView("b", peers=(PeerLoad(0, 0, 8.0),))]
     assert plan_turn(200, lookup(200), busy, cost, output_tokens=32).replica_id == "a"
+
+
+def test_a_turn_on_an_idle_engine_is_priced_for_the_turns_its_conversation_will_bring_there():
+    # "a" decodes three requests, one more waits for its first 300 tokens, and 2 requests a second arrive there; "b"
+    # is idle on the same node, and engines there slow each other by 10%.
+    views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=1, arrival_rate=2.0),
+             ReplicaView("b", peers=(PeerLoad(1, 300, 2.0),))]
+    one_shot, conversations = contended(0.1), contended(0.1)
+    for _ in range(12):
+        for first in range(5):  # conversations of five turns: four of five turns continue one
+            conversations.observe_turn(continues=first > 0)
+            one_shot.observe_turn(continues=False)
+    assert one_shot.expected_future_turns() == 0.0
+    assert conversations.expected_future_turns() == pytest.approx(4.0, rel=0.05)
+    # One-shot requests: the turn's own occupancy of "b" is all it costs "a"; its first token comes sooner on "b".
+    alone = plan_turn(600, lookup(600), views, one_shot, output_tokens=24)
+    assert alone.replica_id == "b"
+    # A conversation's first turn on "b" keeps "b" decoding beside "a" for four more turns, each slowing the
+    # requests arriving at "a" meanwhile; on "a" its later turns join a batch the engine steps anyway: it joins "a".
+    founded = plan_turn(600, lookup(600), views, conversations, output_tokens=24)
+    decode = 24 * conversations.decode_step_ms
+    assert founded.replica_id == "a"
+    on_b = next(o for o in _options(600, lookup(600), views, conversations, output_tokens=24) if o.replica_id == "b")
+    assert on_b.impact_ms == pytest.approx(
+        alone.impact_ms + 0.1 * (conversations.expected_future_turns() * 2.0 / 1e3 * decode) * decode / 2, rel=0.02)
 
 
 def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_would_delay_its_first_tokens():
