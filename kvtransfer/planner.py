@@ -4,8 +4,9 @@
 the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
 with the lowest cost: its estimated time to first token plus the delay it would impose on other requests' first
 tokens (requests arriving at a busy target wait for its prefill; an idle engine that starts work slows the busy
-engines sharing its node, by the measured contention, and with them the first tokens waiting or arriving there).
-Slower decoding is priced only through those first tokens: it lengthens replies already started, not their wait.
+engines sharing its node, by the measured contention, and with them the first tokens waiting or arriving there,
+during this turn and during the later turns its conversation will bring there). Slower decoding is priced only
+through those first tokens: it lengthens replies already started, not their wait.
 So a busy holder can lose the turn to an idle replica that pulls from it, and a turn joins a busy engine beside an
 idle one when that engine is busy enough that slowing it would cost others more than the turn saves. The other
 policies are the routing rules users would otherwise run (round robin, session affinity, prefix affinity, vLLM's
