@@ -205,8 +205,9 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
     during each later turn's decode, for as many turns as conversations have been bringing
     (`CostModel.expected_future_turns`). On a busy target a later turn only adds its short prefill to the batch, and
     a decode there is one more row of a step the engine takes anyway: not priced. That is the difference between
-    one engine and two on shared cores: a CPU decode step costs about the same for one request or eight, so a
-    second engine decoding beside the first costs the node a core while one engine's batch grows for free.
+    one engine and two on one node's CPUs: a CPU decode step costs about the same for one request or four, so one
+    engine's batch grows almost for free, while a second engine decoding beside the first slows it (they share the
+    memory bus and caches: the measured contention).
     """
     if not target.idle:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2
