@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +25,16 @@ def requested_replica(pending_request: PendingRequest | None) -> str | None:
     return getattr(request, "target_replica", None)
 
 
-class TargetReplicaRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class TargetReplicaRouter(PowerOfTwoChoicesRequestRouter):
     """Routes to `request.target_replica` when that replica is alive, else power of two choices.
 
-    Serve's own power-of-two router also mixes in `FIFOMixin`, which hands a replica found for one pending request
-    to the oldest pending request instead: with several turns routing at once, a turn ran on the replica planned
-    for another (seen under the multi-turn benchmark's bursts of first turns). Without it, Serve's base router gives
-    each request the replica chosen for it.
+    Serve routes each pending request in its own task, and its FIFO rule hands whatever replica a task finds to the
+    oldest pending request of all. So while one turn's target was full, or slow to answer Serve's queue-length
+    probe, the replica found for the next turn went to it, and it ran where it was not planned (seen under the
+    multi-turn benchmark's bursts of first turns). Here a replica goes to the oldest pending request that may run
+    there: one that targets it, targets no replica, or targets one Serve no longer has. (Matching each request to
+    its own task instead, Serve's other rule, fails for the several calls one HTTP request makes: they share the
+    id it matches by.)
     """
 
     async def choose_replicas(
@@ -45,4 +48,20 @@ class TargetReplicaRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 if replica.replica_id.unique_id == target:
                     return [[replica]]
             logger.debug("target replica %s is gone; falling back to power of two choices", target)
-        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: object = None) -> None:
+        found = replica.replica_id.unique_id
+        known = {r.replica_id.unique_id for r in self._replicas_list}
+        def may_run_here(request: PendingRequest) -> bool:
+            target = requested_replica(request)
+            return target is None or target == found or target not in known
+
+        pending = next((p for p in self._pending_requests_to_fulfill if not p.future.done() and may_run_here(p)), None)
+        if pending is None:
+            return  # nobody waiting may run there: the task routing for its request tries again
+        self._pending_requests_to_fulfill.remove(pending)
+        self._cancel_routing_task_for_pending_request(pending)
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        self._remove_pending_request_from_indices(pending)
