@@ -53,6 +53,7 @@ class TargetReplicaRouter(PowerOfTwoChoicesRequestRouter):
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: object = None) -> None:
         found = replica.replica_id.unique_id
         known = {r.replica_id.unique_id for r in self._replicas_list}
+
         def may_run_here(request: PendingRequest) -> bool:
             target = requested_replica(request)
             return target is None or target == found or target not in known

@@ -263,10 +263,11 @@ class TurnRunner:
         if turn.params.prompt_logprobs is not None:
             # Every prompt position needs its logprobs computed: nothing cached or pulled may stand in for it.
             lookup = LookupResult(lookup.query_tokens, ())
-        if force is None and self._leaves_holds(turn, "prefill"):
+        if force is None and self._leaves_holds(turn, "decode"):
             # A turn whose prompt starts with a held history (a previous turn's prompt and reply) continues a
             # conversation: how often that happens tells how many turns a placement brings along. Only where turns
-            # leave holds can a continuation be told from a new prompt sharing a prefix.
+            # leave their history held for the next turn (the last stage's hold: in P/D the decode's, which only
+            # pulling policies keep) can a continuation be told from a new prompt sharing a prefix.
             self.cost.observe_turn(any(m.hold is not None for m in lookup.matches))
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)
