@@ -142,15 +142,19 @@ class DirectoryMirror:
 
     # ----- writes (the actor first, then the copy)
 
-    def record_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float) -> asyncio.Task:
+    def record_hold(
+        self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, at_actor_after_s: float = 0.0
+    ) -> asyncio.Task:
         """Record a turn's new hold in this copy at once, so this ingress's next turn sees it, and at the actor in
-        the background, so the turn's last token does not wait for a directory round trip. Returns that task.
+        the background (`at_actor_after_s` from now), so the turn's last token does not wait for a directory round
+        trip. Returns that task.
 
         Until the actor answers, the hold is offered here but only usable through this mirror: `consume_hold`
         waits for the answer; if the actor refused the hold, the copy drops it too.
         """
         local = self._copy.record_hold(replica_id, key, hold, expires_at).hold_id
-        task = asyncio.get_running_loop().create_task(self._record_at_actor(local, replica_id, key, hold, expires_at))
+        task = asyncio.get_running_loop().create_task(
+            self._record_at_actor(local, replica_id, key, hold, expires_at, at_actor_after_s))
         if local is not None:
             self._pending[local] = task
         self._background.add(task)
@@ -158,9 +162,10 @@ class DirectoryMirror:
         return task
 
     async def _record_at_actor(
-        self, local: int | None, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float
+        self, local: int | None, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, after_s: float
     ) -> None:
         try:
+            await asyncio.sleep(after_s)
             answer = await self.directory.record_hold.remote(replica_id, key, hold, expires_at)
             actor_id = answer.hold_id
         except Exception as exc:  # the directory restarts: the hold is not offered, its lease frees it

@@ -242,7 +242,7 @@ class Frontend:
             generated, [len(r.token_ids) for r in rendered], completion_request=request,
             prompt_token_ids=[r.token_ids for r in rendered],
         )
-        prompts = self._prompt_texts(request, rendered)
+        prompts = self._prompt_texts(request, rendered) if request.echo else [""] * len(rendered)
         per_choice = [(r, prompt, deltas) for r, prompt, per_prompt in zip(rendered, prompts, outputs, strict=True)
                       for deltas in per_prompt]
         for choice, (r, prompt, deltas) in zip(choices, per_choice, strict=True):

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +42,11 @@ from kvtransfer.types import Hold, HoldOffer, LookupResult
 logger = logging.getLogger(__name__)
 
 PREFILL_POOL = "engines"
+# Work a turn leaves behind (ending the engine's stream, releasing the holds it superseded, recording its hold at the
+# directory actor) starts this long after the turn's last token, when its response has left: each is a Serve call of
+# 0.3-1 ms of this process's CPU, and started at once they delayed the response by about 3 ms here (the ingress sends
+# it ~2.5 ms after the last token; `python -m benchmarks.overhead`).
+AFTER_RESPONSE_S = 0.005
 
 
 class TurnLost(Exception):
@@ -68,6 +73,15 @@ def continuation(turn: Turn, produced: list[int]) -> Turn | None:
     params.min_tokens = max(0, params.min_tokens - len(produced))
     params.prompt_logprobs = None
     return replace(turn, token_ids=turn.token_ids + produced, params=params)
+
+
+async def drained(stream: AsyncIterator[GenerateDelta], request_id: str) -> None:
+    """Read an engine stream to its end after its last delta, so that Serve closes the request as it would have."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception as exc:  # the turn is answered already; a replica lost now costs it nothing
+        logger.debug("the engine stream of %s ended with %r after its last delta", request_id, exc)
 
 
 def whole_turn(last: GenerateDelta, turn: Turn, streamed: int, cached_tokens: int) -> GenerateDelta:
@@ -246,7 +260,7 @@ class TurnRunner:
         self.counters: Counter = Counter()
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
-        self._background: set[asyncio.Task] = set()  # hold releases in flight (asyncio keeps weak refs only)
+        self._background: set[asyncio.Task] = set()  # work after turns, in flight (asyncio keeps weak refs only)
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
         # (puller, holder) replica pairs whose NIXL agents have met (a pull between them succeeded).
         self.met: set[tuple[str, str]] = set()
@@ -424,8 +438,9 @@ class TurnRunner:
         # answers: that replica's heartbeats then count this request as this ingress's own, ended when it ends.
         where = plan.replica_id
         self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
+        stream = engines.options(stream=True).generate.remote(request)
         try:
-            async for delta in engines.options(stream=True).generate.remote(request):
+            async for delta in stream:
                 if delta.replica_id and delta.replica_id != where:
                     self.inflight.moved(where, delta.replica_id, request.request_id)
                     where = delta.replica_id
@@ -434,6 +449,7 @@ class TurnRunner:
                     logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
                     self.counters["pull_failures"] += 1
                     outcome.pull_failed = True
+                    self._after_response(drained(stream, request.request_id))
                     # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget
                     # it and all it holds. If it is alive, its next heartbeat and turns bring it back.
                     if plan.holder:
@@ -445,9 +461,7 @@ class TurnRunner:
                         outcome.ttft_ms = (time.monotonic() - started) * 1e3
                     if prefills and plan.superseded:
                         # The turn has read what it reuses; older holds of its history only pin blocks now.
-                        task = asyncio.get_running_loop().create_task(self._release(plan.superseded))
-                        self._background.add(task)
-                        task.add_done_callback(self._background.discard)
+                        self._after_response(self._release(plan.superseded))
                 output.extend(delta.token_ids)
                 if delta.finished:
                     outcome.replica_id = delta.replica_id
@@ -459,9 +473,28 @@ class TurnRunner:
                         self._record_hold(turn, turn.token_ids + output, delta)
                     if prefills:
                         self._learn(plan, request.pull is not None and plan.mode is Mode.PULL, delta)
+                    # The engine has said all it will: answer now. The end of Serve's stream (the replica's generator
+                    # returning, gRPC's trailer: 2-3 ms here) is awaited after the response.
+                    self._after_response(drained(stream, request.request_id))
+                    yield delta
+                    return
                 yield delta
         finally:
             self.inflight.ended(where, request.request_id)
+
+    def _after_response(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in the background, AFTER_RESPONSE_S from now."""
+        async def later() -> None:
+            try:
+                await asyncio.sleep(AFTER_RESPONSE_S)
+            except asyncio.CancelledError:
+                work.close()
+                raise
+            await work
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _release(self, holds: Sequence[HoldOffer]) -> None:
         """Take holds out of the directory and free their blocks on their replicas, now rather than at expiry.
@@ -487,7 +520,8 @@ class TurnRunner:
         """Record the hold the replica left (if any) in the directory, for the next turn to find."""
         if last.hold is not None:
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
-            self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s)
+            self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s,
+                                       at_actor_after_s=AFTER_RESPONSE_S)
 
     def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta) -> None:
         """Teach the cost model this request's prefill (and pull) time, if it had its engine to itself."""

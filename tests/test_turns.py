@@ -231,3 +231,82 @@ def test_the_directory_follows_each_replicas_prefix_cache_through_kv_events(tiny
     assert plan["reused_tokens"] == 192
     answer = tiny_app.ingress.turn.remote(follow_up, GREEDY).result(timeout_s=120)
     assert answer.usage.cached_tokens == 192  # the engine agrees
+
+
+def test_a_turn_is_answered_at_its_last_token_and_the_engine_stream_is_still_read_to_its_end(serve_port, directory):
+    """A response waits for the engine's last token, not for Serve to close the engine's stream (2-3 ms of gRPC and
+    replica work on this machine); the stream is read to its end afterwards, so the replica's request ends as it
+    would have. The engine here is a stand-in deployment, the only way to hold a stream open after its last token:
+    it says so through a latch actor. The Serve handle, the directory and the turn path are the real ones."""
+    import asyncio
+
+    import ray
+    from ray import serve
+    from vllm.sampling_params import SamplingParams
+
+    from actors.directory_mirror import DirectoryMirror
+    from actors.replica_api import GenerateDelta
+    from app.turns import Turn, TurnRunner
+    from kvtransfer.cost_model import CostModel
+    from kvtransfer.planner import Mode
+    from tests.conftest import DIRECTORY_BLOCK_SIZE
+    from tests.test_directory_mirror import identity, stats
+
+    @ray.remote(num_cpus=0)
+    class Latch:
+        def __init__(self) -> None:
+            self.opened = asyncio.Event()
+            self.ended = 0
+
+        async def wait(self) -> None:
+            await self.opened.wait()
+
+        async def open(self) -> None:
+            self.opened.set()
+
+        async def end(self) -> None:
+            self.ended += 1
+
+        async def ends(self) -> int:
+            return self.ended
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class EngineWithASlowEnd:
+        def __init__(self, latch) -> None:
+            self.latch = latch
+
+        async def generate(self, request: GenerateRequest):
+            yield GenerateDelta(token_ids=[7], text="", finished=True, finish_reason="length",
+                                prompt_tokens=len(request.prompt_token_ids), completion_tokens=1, replica_id="slow-end")
+            await self.latch.wait.remote()
+            await self.latch.end.remote()
+
+    latch = Latch.remote()
+    name = f"slow-end-{uuid.uuid4().hex[:6]}"
+    serve.run(EngineWithASlowEnd.bind(latch), name=name, route_prefix=None)
+    engines = serve.get_deployment_handle("EngineWithASlowEnd", app_name=name)
+
+    async def scenario() -> None:
+        mirror = DirectoryMirror(directory, DIRECTORY_BLOCK_SIZE)
+        mirror.start()
+        await directory.heartbeat.remote(identity("slow-end"), stats("slow-end"))
+        deadline = time.monotonic() + 30
+        while not mirror.live():
+            assert time.monotonic() < deadline, "the mirror never saw the replica"
+            await asyncio.sleep(0.05)
+        runner = TurnRunner(engines, mirror, CostModel(1024), "m", DIRECTORY_BLOCK_SIZE, 30.0, 1)
+        turn = Turn(request_id=uuid.uuid4().hex, token_ids=list(range(1, 9)), params=SamplingParams(max_tokens=1))
+        deltas = await asyncio.wait_for(collect(runner.run(turn, (Mode.RECOMPUTE, "slow-end"))), 60)
+        assert [d.token_ids for d, _ in deltas] == [[7]] and deltas[-1][0].finished
+        assert await latch.ends.remote() == 0  # answered while the engine's stream was still open
+        await latch.open.remote()
+        deadline = time.monotonic() + 30
+        while await latch.ends.remote() == 0:  # read to its end, not cancelled
+            assert time.monotonic() < deadline, "the engine's stream was dropped rather than read to its end"
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        serve.delete(name)
+        ray.kill(latch)
