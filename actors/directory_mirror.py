@@ -46,6 +46,7 @@ class DirectoryMirror:
         self.epoch: str | None = None
         self.seq = 0
         self.updates_applied = 0
+        self.answers = 0  # of the feed: each is a Serve call this process makes
         self.resyncs = 0
         self._copy = KVDirectory(block_size)
         self._replicas = ReplicaRegistry(dead_after_s)
@@ -65,6 +66,7 @@ class DirectoryMirror:
         while True:
             try:
                 changes: Changes = await self.directory.changes.remote(self.epoch, self.seq, self.POLL_WAIT_S)
+                self.answers += 1
                 snapshot = None
                 if changes.snapshot_parts:
                     parts = [await self.directory.snapshot_part.remote(changes.epoch, changes.seq, i)
@@ -218,6 +220,7 @@ class DirectoryMirror:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch, "seq": self.seq, "updates_applied": self.updates_applied, "resyncs": self.resyncs,
+            "epoch": self.epoch, "seq": self.seq, "answers": self.answers, "updates_applied": self.updates_applied,
+            "resyncs": self.resyncs,
             "holds": len(self._local_id), "replicas": len(self._replicas.live()), "at": time.time(),
         }
