@@ -8,6 +8,7 @@ before the engine shuts down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -40,10 +41,14 @@ class DirectoryReporter:
         self.heartbeat_s = heartbeat_s
         self.events = events
         self._stopping = threading.Event()
+        # Set once `_run` is on its loop: `stop` wakes the loop through it (a timer sleeps; no thread waits).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._woken: asyncio.Event | None = None
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="kvrelay-reporter", daemon=True)
         self._thread.start()
 
     async def _run(self) -> None:
+        self._woken, self._loop = asyncio.Event(), asyncio.get_running_loop()
         directory, replica_id = self._own_handle(), self.identity.replica_id
         forwarder = None
         if self.events is not None:
@@ -54,7 +59,7 @@ class DirectoryReporter:
         first = True
         last_sent: dict[str, Any] | None = None
         last_sent_at = 0.0
-        while not await asyncio.to_thread(self._stopping.wait, self.heartbeat_s):
+        while not await self._stopped_within(self.heartbeat_s):
             stats = self.stats()
             figures = stats.model_dump(exclude={"at"})
             # An idle replica's figures do not change: beat less often (every beat wakes the directory and every
@@ -76,6 +81,14 @@ class DirectoryReporter:
         except Exception as exc:  # the directory may be gone already (app teardown)
             logger.warning("could not deregister %s from the KV directory: %s", replica_id, exc)
 
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Sleep `seconds` or until `stop`; True once stopping."""
+        if not self._stopping.is_set():
+            assert self._woken is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), seconds)
+        return self._stopping.is_set()
+
     def _own_handle(self) -> Any:
         """A Serve handle whose router lives on this thread's loop. In Ray Serve's throughput-optimized mode a
         handle routes on the loop that first used it, and the one passed to the replica belongs to the serving
@@ -92,5 +105,9 @@ class DirectoryReporter:
     def stop(self, timeout_s: float = 10) -> None:
         """Stop reporting and deregister (blocks until done, at most `timeout_s`)."""
         self._stopping.set()
+        loop, woken = self._loop, self._woken
+        if loop is not None and woken is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended already
+                loop.call_soon_threadsafe(woken.set)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)

@@ -1,6 +1,10 @@
 """Do replicas scale? The same load on one engine replica, then spread over two, in one run, and the cores every
 process kind uses busy, idle, and idle with holds pending.
 
+Also one engine with half the load (4 requests): twice its rate over the 8-request rate is the most spreading the
+same load over two engines could give if the two ran as if alone (`scaling_2_vs_1_ceiling`): a decode step costs
+about the same for 4 requests as for 8 here.
+
     python -m benchmarks.scaling --out benchmarks/results/scaling.json [--quick] [--separate-worker]
 
 The app runs as `serve_config.yaml` runs it (two SmolLM2 replicas, NIXL on); requests go straight to the
@@ -26,11 +30,13 @@ from benchmarks.common import start_app, stop_app
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 64
 CONCURRENCY = 8
+REPLICA_KINDS = ("replica_actor", "engine_core", "worker")
 
 
 def process_kinds(identities: list[Any]) -> dict[str, list[psutil.Process]]:
-    """Each replica's actor process, and the vLLM processes it started, by kind."""
-    kinds: dict[str, list[psutil.Process]] = {"replica_actor": [], "engine_core": [], "worker": []}
+    """Each replica's actor process, and the vLLM processes it started, by kind; and this driver (the load)."""
+    kinds: dict[str, list[psutil.Process]] = {"replica_actor": [], "engine_core": [], "worker": [],
+                                              "driver": [psutil.Process()]}
     for identity in identities:
         kinds["replica_actor"].append(psutil.Process(identity.pid))
         for pid in identity.engine_pids:
@@ -51,8 +57,14 @@ def _cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+def _machine_busy_seconds() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+
+
 class CoreMeter:
-    """Cores used per process kind between `start()` and `stop()` (summed over replicas)."""
+    """Cores used per process kind between `start()` and `stop()` (summed over replicas), and by every process
+    on the machine together (`machine`)."""
 
     def __init__(self, kinds: dict[str, list[psutil.Process]]) -> None:
         self.kinds = kinds
@@ -60,10 +72,12 @@ class CoreMeter:
     def start(self) -> None:
         self._t0 = time.monotonic()
         self._cpu0 = {k: _cpu_seconds(v) for k, v in self.kinds.items()}
+        self._machine0 = _machine_busy_seconds()
 
     def stop(self) -> dict[str, float]:
         elapsed = time.monotonic() - self._t0
-        return {k: round((_cpu_seconds(v) - self._cpu0[k]) / elapsed, 3) for k, v in self.kinds.items() if v}
+        used = {k: round((_cpu_seconds(v) - self._cpu0[k]) / elapsed, 3) for k, v in self.kinds.items() if v}
+        return used | {"machine": round((_machine_busy_seconds() - self._machine0) / elapsed, 3)}
 
 
 async def _generate(engines: Any, replica_id: str, prompt: list[int], max_tokens: int, export_hold: bool) -> int:
@@ -127,6 +141,8 @@ def main() -> None:
             for rid in ids:  # warm both engines (first-request costs stay out of the figures)
                 await _generate(app.engines, rid, [rng.randrange(100, app.vocab_size) for _ in range(64)], 4, False)
             one_tok_s, one_cores = await run_load(app.engines, ids[:1], CONCURRENCY, rounds, rng, app.vocab_size, meter)
+            # Half the batch on one engine: what each of two engines runs when the same load is spread.
+            half_tok_s, _ = await run_load(app.engines, ids[:1], CONCURRENCY // 2, rounds, rng, app.vocab_size, meter)
             two_tok_s, two_cores = await run_load(app.engines, ids, CONCURRENCY, rounds, rng, app.vocab_size, meter)
             # The same load per replica: twice the requests over two (same batch size per engine).
             two_full_tok_s, _ = await run_load(app.engines, ids, 2 * CONCURRENCY, rounds, rng, app.vocab_size, meter)
@@ -137,8 +153,8 @@ def main() -> None:
                 await _generate(app.engines, rid, prompt, 8, True)
             idle_holds = await idle_cores(meter, min(window_s, 6))
             per_replica = {
-                "no_holds": round(sum(idle.values()) / len(ids), 4),
-                "holds_pending": round(sum(idle_holds.values()) / len(ids), 4),
+                "no_holds": round(sum(idle[k] for k in REPLICA_KINDS if k in idle) / len(ids), 4),
+                "holds_pending": round(sum(idle_holds[k] for k in REPLICA_KINDS if k in idle_holds) / len(ids), 4),
             }
             return {
                 "layout": "separate worker process (vLLM stock)" if args.separate_worker else "model in engine core",
@@ -148,6 +164,10 @@ def main() -> None:
                 "throughput_1_tok_s": round(one_tok_s, 1),
                 "throughput_2_tok_s": round(two_tok_s, 1),
                 "scaling_2_vs_1": round(two_tok_s / one_tok_s, 3),
+                "throughput_1_half_batch_tok_s": round(half_tok_s, 1),
+                # Two engines on independent cores, each as fast as one alone with half the batch
+                # (benchmarks/two_cores.py measures how independent the cores are).
+                "scaling_2_vs_1_ceiling": round(2 * half_tok_s / one_tok_s, 3),
                 "throughput_2_same_load_per_replica_tok_s": round(two_full_tok_s, 1),
                 "scaling_2_vs_1_same_load_per_replica": round(two_full_tok_s / one_tok_s, 3),
                 "idle_cores_per_replica": max(per_replica.values()),

@@ -246,3 +246,67 @@ def test_accelerators_keep_vllms_ucx_transfer_threads():
     assert threads(NixlSettings(), "cpu") == 0
     assert threads(NixlSettings(), "cuda") == 4
     assert threads(NixlSettings(ucx_threads=2), "cpu") == 2
+
+
+def test_the_kv_event_publisher_sleeps_until_an_event_or_a_replay_request(tmp_path):
+    """vLLM's publisher thread wakes every 0.1 s to look at its replay socket; the engine's sleeps until an event
+    or a replay request comes (actors/lean_engine.py, `WaitingEventPublisher`), and loses neither. The engine
+    process gets it from vLLM's factory, as here."""
+    import zmq
+    from vllm.config.kv_events import KVEventsConfig
+    from vllm.distributed.kv_events import AllBlocksCleared, EventPublisherFactory, KVEventBatch
+
+    from actors.lean_engine import WaitingEventPublisher, waiting_event_publisher
+
+    waiting_event_publisher()
+    endpoint, replay_endpoint = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    publisher = EventPublisherFactory.create(KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, replay_endpoint=replay_endpoint))
+    assert isinstance(publisher, WaitingEventPublisher)
+    status = Path(f"/proc/self/task/{publisher._thread.native_id}/status")
+
+    def switches() -> int:
+        return int(status.read_text().split("voluntary_ctxt_switches:")[1].split()[0])
+
+    ctx = zmq.Context.instance()
+    sub, replay = ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    replay.connect(replay_endpoint)
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        before = switches()
+        time.sleep(2.0)
+        assert switches() - before <= 2  # vLLM's thread: about 20
+
+        # Events published in bursts and after idle gaps all arrive, in order, at once.
+        sent = 0
+        for burst in (1, 5, 1, 3):
+            started = time.monotonic()
+            for _ in range(burst):
+                publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+            for _ in range(burst):
+                assert sub.poll(1000), f"event {sent} not delivered"
+                _topic, seq, _payload = sub.recv_multipart()
+                assert int.from_bytes(seq, "big") == sent
+                sent += 1
+            assert time.monotonic() - started < 0.05
+            time.sleep(0.3)
+
+        # A replay request is answered at once, with every buffered batch from the sequence asked for.
+        started = time.monotonic()
+        replay.send_multipart([b"", (2).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert replay.poll(1000), "replay not answered"
+            _empty, _topic, seq, _payload = replay.recv_multipart()
+            if seq == WaitingEventPublisher.END_SEQ:
+                break
+            replayed.append(int.from_bytes(seq, "big"))
+        assert replayed == list(range(2, sent)) and time.monotonic() - started < 0.05
+    finally:
+        sub.close(linger=0)
+        replay.close(linger=0)
+        started = time.monotonic()
+        publisher.shutdown()
+    assert not publisher._thread.is_alive() and time.monotonic() - started < 0.5
