@@ -10,6 +10,11 @@ the plan chose, through a Serve handle. The prompt is a prefix-cache hit on ever
 both paths do the same engine work; the paired difference is the ingress's cost. `plan_ms_p50` is how long
 the ingress's planning took per turn (its own clock, from /kvrelay/stats). The no-op floor takes the same
 path as (a).
+
+The same pairing with no work anywhere (`serve_noop_two_hop_added_ms_p50`): over HTTP, a no-op ingress that makes
+one streaming handle call to a no-op "engine" deployment that yields one item, against that handle call made
+straight from this driver. It is what any ingress that calls its engine through a Serve handle adds before doing
+anything; `ingress_added_ms_p50` minus it is kvrelay's own work (parse, render, plan, derender, respond).
 """
 
 from __future__ import annotations
@@ -72,15 +77,15 @@ async def serve_noop_ms(base_url: str, requests: int) -> list[float]:
     return samples
 
 
-def noop_url(app) -> str:
-    """Where the no-op app answers on the same request path as the ingress: through the proxy, or (in the
-    throughput-optimized mode) on its own replica's port, the one after the ingress's."""
+def noop_url(app, path: str = "/noop") -> str:
+    """Where a no-op app answers on the same request path as the ingress: through the proxy, or (in the
+    throughput-optimized mode) on its own ingress replica's port, one of those after the ingress's."""
     if app.direct_url is None:
         return app.base_url
     host, port = app.direct_url.rsplit(":", 1)
     for candidate in range(int(port) + 1, int(port) + 16):
         try:
-            if httpx.get(f"{host}:{candidate}/noop", timeout=2).status_code == 200:
+            if httpx.get(f"{host}:{candidate}{path}", timeout=2).status_code == 200:
                 return f"{host}:{candidate}"
         except httpx.HTTPError:
             continue
@@ -88,6 +93,7 @@ def noop_url(app) -> str:
 
 
 def deploy_noop() -> None:
+    """The no-op app (`/noop`), and the two-hop one: `/noop2` calls a no-op engine deployment, streaming."""
     from ray import serve
 
     @serve.deployment(name="noop", ray_actor_options={"num_cpus": 0.05})
@@ -95,10 +101,56 @@ def deploy_noop() -> None:
         async def __call__(self, request) -> str:
             return "ok"
 
+    @serve.deployment(name="noop_engine", ray_actor_options={"num_cpus": 0.05})
+    class NoopEngine:
+        async def generate(self, request: str):
+            yield request
+
+    @serve.deployment(name="noop_ingress", ray_actor_options={"num_cpus": 0.05})
+    class NoopIngress:
+        def __init__(self, engine) -> None:
+            self.engine = engine
+
+        async def __call__(self, request) -> str:
+            return "".join([item async for item in self.engine.options(stream=True).generate.remote("ok")])
+
     serve.run(Noop.bind(), name="noop", route_prefix="/noop")
+    serve.run(NoopIngress.bind(NoopEngine.bind()), name="noop2", route_prefix="/noop2")
 
 
-async def run(app, requests: int, stream_tokens: int, policy: str, noop_url: str) -> dict:
+async def two_hop_added_ms(base_url: str, requests: int) -> list[float]:
+    """Paired: `/noop2` over HTTP minus the no-op engine's handle called from here (alternating order)."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("noop_engine", app_name="noop2")
+
+    async def handle_ms() -> float:
+        start = time.perf_counter()
+        [item async for item in engine.options(stream=True).generate.remote("ok")]
+        return (time.perf_counter() - start) * 1e3
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        async def http_ms() -> float:
+            start = time.perf_counter()
+            (await client.get("/noop2")).raise_for_status()
+            return (time.perf_counter() - start) * 1e3
+
+        for _ in range(10):
+            await http_ms()
+            await handle_ms()
+        added = []
+        for i in range(requests):
+            if i % 2:
+                d = await handle_ms()
+                h = await http_ms()
+            else:
+                h = await http_ms()
+                d = await handle_ms()
+            added.append(h - d)
+    return added
+
+
+async def run(app, requests: int, stream_tokens: int, policy: str, noop_url: str, noop2_url: str) -> dict:
     # The direct path leaves a hold exactly when the ingress's policy does, so both do the same engine work.
     holds = Policy(policy).pulls
     prompt = list(range(100, 164))
@@ -126,11 +178,13 @@ async def run(app, requests: int, stream_tokens: int, policy: str, noop_url: str
             chunk_added.append(((h_arrivals[-1] - h_arrivals[0]) - (d_arrivals[-1] - d_arrivals[0]))
                                * 1e3 / (stream_tokens - 1))
     noop = await serve_noop_ms(noop_url, requests)
+    two_hop = await two_hop_added_ms(noop2_url, requests)
     plan = (await app.ingress.stats.remote())["plan_ms"]
     return {
         "serve_noop_http_ms_p50": round(pct(noop, 0.5), 3),
         "ingress_added_ms_p50": round(pct(added, 0.5), 3),
         "ingress_added_ms_p99": round(pct(added, 0.99), 3),
+        "serve_noop_two_hop_added_ms_p50": round(pct(two_hop, 0.5), 3),
         "per_chunk_added_ms_p50": round(statistics.median(chunk_added), 3),
         "plan_ms_p50": round(plan["p50"], 3),
         "plan_ms_p99": round(plan["p99"], 3),
@@ -156,7 +210,8 @@ def main() -> None:
                     throughput_optimized=args.serve_mode == "throughput_optimized")
     try:
         deploy_noop()
-        figures = asyncio.run(run(app, args.requests, args.stream_tokens, args.policy, noop_url(app)))
+        figures = asyncio.run(run(app, args.requests, args.stream_tokens, args.policy, noop_url(app),
+                                  noop_url(app, "/noop2")))
     finally:
         stop_app(app)
     figures["model"] = app.model

@@ -206,8 +206,9 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
     (`CostModel.expected_future_turns`). On a busy target a later turn only adds its short prefill to the batch, and
     a decode there is one more row of a step the engine takes anyway: not priced. That is the difference between
     one engine and two on one node's CPUs: a CPU decode step costs about the same for one request or four, so one
-    engine's batch grows almost for free, while a second engine decoding beside the first slows it (they share the
-    memory bus and caches: the measured contention).
+    engine's batch grows almost for free, while a second engine decoding beside the first slows it (the measured
+    contention: the cores themselves do not slow each other, benchmarks/two_cores.py, but with both engines busy
+    the node's other processes, replica actors, ingress and Ray, take their CPU from the engines).
     """
     if not target.idle:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2
