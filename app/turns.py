@@ -43,9 +43,9 @@ logger = logging.getLogger(__name__)
 
 PREFILL_POOL = "engines"
 # Work a turn leaves behind (ending the engine's stream, releasing the holds it superseded, recording its hold at the
-# directory actor) starts this long after the turn's last token, when its response has left: each is a Serve call of
-# 0.3-1 ms of this process's CPU, and started at once they delayed the response by about 3 ms here (the ingress sends
-# it ~2.5 ms after the last token; `python -m benchmarks.overhead`).
+# directory actor, teaching the cost model what the turn measured) starts this long after the turn's last token, when
+# its response has left: each Serve call is 0.3-1 ms of this process's CPU, and started at once they delayed the
+# response by about 3 ms here (the ingress sends it ~2.5 ms after the last token; `python -m benchmarks.overhead`).
 AFTER_RESPONSE_S = 0.005
 
 
@@ -385,7 +385,12 @@ class TurnRunner:
             async for delta in self._attempt(turn, plan, self._request(turn, plan, "turn", skip_cache=skip_cache),
                                              outcome, started):
                 yield delta
-        elif self._observe_error(plan, pull, outcome, force):
+        else:
+            self._after_response(self._learn_outcome(plan, pull, outcome, force))
+
+    async def _learn_outcome(self, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
+                             force: tuple[Mode, str] | None) -> None:
+        if self._observe_error(plan, pull, outcome, force):
             self.cost.observe_output(outcome.completion_tokens)  # how long turns decode
 
     def _observe_error(self, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
@@ -472,7 +477,8 @@ class TurnRunner:
                     if records_hold:
                         self._record_hold(turn, turn.token_ids + output, delta)
                     if prefills:
-                        self._learn(plan, request.pull is not None and plan.mode is Mode.PULL, delta)
+                        self._after_response(self._learn(plan, request.pull is not None and plan.mode is Mode.PULL,
+                                                         delta))
                     # The engine has said all it will: answer now. The end of Serve's stream (the replica's generator
                     # returning, gRPC's trailer: 2-3 ms here) is awaited after the response.
                     self._after_response(drained(stream, request.request_id))
@@ -523,7 +529,7 @@ class TurnRunner:
             self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s,
                                        at_actor_after_s=AFTER_RESPONSE_S)
 
-    def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta) -> None:
+    async def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta) -> None:
         """Teach the cost model this request's prefill (and pull) time, if it had its engine to itself."""
         if last.prefill_s is None or not last.ran_alone:
             return  # a turn batched with others times the batch, not the model or the link
