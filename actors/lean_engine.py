@@ -152,6 +152,10 @@ class _WakingQueue(queue.Queue):  # type: ignore[type-arg]
         except BlockingIOError:
             pass
 
+    def close(self) -> None:
+        os.close(self.wake_fd)
+        os.close(self._signal_fd)
+
 
 class WaitingEventPublisher(ZmqEventPublisher):
     """vLLM's ZMQ KV event publisher (same sockets, sequence numbers, replay buffer and shutdown), whose thread
@@ -194,6 +198,11 @@ class WaitingEventPublisher(ZmqEventPublisher):
                 if batch is None:
                     return  # shutdown's sentinel
                 self._send(batch)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if not self._thread.is_alive():  # a thread still polling would find its pipe closed under it
+            self._event_queue.close()
 
     def _send(self, batch: Any) -> None:
         """vLLM's publishing step: number the batch, send it, keep it for replay."""
