@@ -2,8 +2,8 @@
 process kind uses busy, idle, and idle with holds pending.
 
 Also one engine with half the load (4 requests): twice its rate over the 8-request rate is the most spreading the
-same load over two engines could give if the two ran as if alone (`scaling_2_vs_1_ceiling`): a decode step costs
-about the same for 4 requests as for 8 here.
+same load over two engines could give if the two ran as if alone (`scaling_2_vs_1_ceiling`): a step for 4
+requests costs most of what one for 8 does here.
 
     python -m benchmarks.scaling --out benchmarks/results/scaling.json [--quick] [--separate-worker]
 
