@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,8 @@ class Ingress:
             )
         self.metrics = IngressMetrics()
         self.turns_running = 0
+        # (before the engine call, after the last delta) ms of recent one-turn HTTP responses (`_own_work`).
+        self.own_ms: deque[tuple[float, float]] = deque(maxlen=1024)
         self.pools = {PREFILL_POOL: engines, **pools}
         self.created = now()
         vocab = len(self.frontend.renderer.renderer.get_tokenizer())
@@ -258,6 +261,7 @@ class Ingress:
         return await self._http(request, CompletionRequest)
 
     async def _http(self, request: Request, request_cls: type[OpenAIRequest]) -> Response:
+        arrived = time.perf_counter()
         headers: dict[str, str] = {}
         try:
             req = parse_request(request_cls, await self._body(request))
@@ -285,7 +289,10 @@ class Ingress:
             self.metrics.errors.labels(kind="server").inc()
             return openai_error(500, SERVER_FAILED)
         if not req.stream:
-            return JSONResponse(with_kvrelay(body, outcome), headers=headers)
+            response = JSONResponse(with_kvrelay(body, outcome), headers=headers)
+            if len(turns) == 1 and len(turns[0]) == 1:
+                self._own_work(arrived, outcome)
+            return response
         return StreamingResponse(self._sse(prepend(first, stream)), media_type="text/event-stream", headers=headers)
 
     async def _sse(self, chunks: AsyncIterator[tuple[dict[str, Any], TurnOutcome]]) -> AsyncIterator[str]:
@@ -303,6 +310,13 @@ class Ingress:
                 error = {"message": str(exc) if isinstance(exc, TurnLost) else SERVER_FAILED, "type": "server_error"}
             yield f"data: {json.dumps({'error': error})}\n\n"
         yield "data: [DONE]\n\n"
+
+    def _own_work(self, arrived: float, outcome: TurnOutcome) -> None:
+        """Record what a one-turn response cost this ingress outside its engine request: from the request's arrival
+        to the engine call, and from the last delta to the response (built, about to be sent)."""
+        if outcome.engine_called_at is not None and outcome.last_delta_at is not None:
+            self.own_ms.append(((outcome.engine_called_at - arrived) * 1e3,
+                                (time.perf_counter() - outcome.last_delta_at) * 1e3))
 
     # ------------------------------------------------------------------------------ OpenAI requests as turns
 
@@ -354,7 +368,11 @@ class Ingress:
 
     async def _respond(self, req: OpenAIRequest, prompts: list[list[Choice]]) -> tuple[BaseModel, TurnOutcome]:
         """The whole (non-streaming) response, and the first turn's outcome."""
-        results = await asyncio.gather(*(self._collect(c.turn) for choices in prompts for c in choices))
+        turns = [c.turn for choices in prompts for c in choices]
+        if len(turns) == 1:  # most requests: no task of its own (gather's costs a loop turn before the response)
+            results = [await self._collect(turns[0])]
+        else:
+            results = await asyncio.gather(*(self._collect(turn) for turn in turns))
         outcome = results[0][1]
         outputs, at = [], 0
         for choices in prompts:
@@ -478,6 +496,7 @@ class Ingress:
         """Planner counters, the cost model's current fit, the directory, the replicas and where this ingress runs."""
         directory_stats = await self.directory.stats.remote()
         plan_ms = sorted(self.runner.plan_ms)
+        before, after = sorted(b for b, _ in self.own_ms), sorted(a for _, a in self.own_ms)
         return {
             "ingress": self.location,
             "counters": dict(self.runner.counters),
@@ -486,6 +505,11 @@ class Ingress:
             "mirror": self.mirror.stats(),
             "plan_ms": {"p50": plan_ms[len(plan_ms) // 2], "p99": plan_ms[int(0.99 * (len(plan_ms) - 1))],
                         "samples": len(plan_ms)} if plan_ms else None,
+            # What one-turn HTTP responses cost this ingress outside the engine request (parse, render, plan; and
+            # derender, respond), medians.
+            "ingress_own_ms": {"before_engine_p50": before[len(before) // 2],
+                               "after_engine_p50": after[len(after) // 2],
+                               "samples": len(before)} if before else None,
             "replicas": [r.model_dump() for r in self.runner.replicas()],
             # Prompts whose history's tokens were reused rather than tokenized again (app/prompt_tokens.py).
             "prompt_token_reuse": self.frontend.prompt_tokens.public(),

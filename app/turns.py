@@ -121,6 +121,10 @@ class TurnOutcome:
     # How often the turn moved to another replica because the one serving it died (`plan` is the last one's).
     migrations: int = 0
     counters: Counter = field(default_factory=Counter)
+    # This process's clock (time.perf_counter) when the first engine request was made and when the last delta came:
+    # what the ingress spends outside them is its own work (`Ingress.stats`, "ingress_own_ms").
+    engine_called_at: float | None = None
+    last_delta_at: float | None = None
 
     def public(self) -> dict[str, Any]:
         reason = self.plan.reason + ("; the pull failed, recomputed" if self.pull_failed else "")
@@ -443,9 +447,13 @@ class TurnRunner:
         # answers: that replica's heartbeats then count this request as this ingress's own, ended when it ends.
         where = plan.replica_id
         self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
+        if outcome.engine_called_at is None:
+            outcome.engine_called_at = time.perf_counter()
         stream = engines.options(stream=True).generate.remote(request)
         try:
             async for delta in stream:
+                if delta.finished:
+                    outcome.last_delta_at = time.perf_counter()
                 if delta.replica_id and delta.replica_id != where:
                     self.inflight.moved(where, delta.replica_id, request.request_id)
                     where = delta.replica_id

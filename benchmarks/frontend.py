@@ -10,6 +10,11 @@ Long histories: conversations of a ~3k-token document and six turns, each turn's
 turn, one reusing the tokens of the history it rendered before (as the ingress runs, app/prompt_tokens.py) and one
 tokenizing every prompt whole; medians over the turns after the first, once the reusing front end trusts reuse (its
 first reuses are checked against a full tokenization).
+
+Cold and warm: the overhead benchmark's request (a 64-token completion prompt, 2 tokens out) parsed, rendered,
+derendered and serialized by one front end, back to back and then with a pause (`--pause-ms`, a short turn's engine
+time) before its derender and before the next request, as the ingress meets them. On this machine a process that
+slept that long runs these calls from cold caches (`overhead_request_ms_p50`, `overhead_request_cold_vs_warm`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
 from actors.replica_api import GenerateDelta
-from app.frontend import Frontend
+from app.frontend import Frontend, parse_request
 from app.prompt_tokens import VERIFY_FIRST
 from configs.app import OpenAISettings
 from configs.models import DEFAULT_MODEL
@@ -72,6 +79,34 @@ async def measure(frontend: Frontend, iterations: int) -> dict[str, float]:
             "derender_chunk_ms_p50": median_ms(chunk), "prompt_tokens": prompt_tokens, "answer_tokens": len(answer)}
 
 
+STEPS = ("parse", "render", "derender", "json")
+
+
+async def overhead_request(frontend: Frontend, model: str, requests: int, pause_s: float) -> dict[str, float]:
+    """Median ms of each step over `requests` requests (the first tenth left out: warm-up)."""
+    body = {"model": model, "prompt": list(range(100, 164)), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    last = GenerateDelta(token_ids=[28, 29], text="", finished=True, finish_reason="length", prompt_tokens=64,
+                         completion_tokens=2)
+    samples: dict[str, list[float]] = {step: [] for step in STEPS}
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        request = parse_request(CompletionRequest, body)
+        t1 = time.perf_counter()
+        rendered = await frontend.render_completion(request)
+        t2 = time.perf_counter()
+        await asyncio.sleep(pause_s)  # the engine's turn
+        t3 = time.perf_counter()
+        response = await frontend.completion_response(request, rendered, [[[last]]])
+        t4 = time.perf_counter()
+        json.dumps(response.model_dump(mode="json"))
+        t5 = time.perf_counter()
+        for step, ms in zip(STEPS, (t1 - t0, t2 - t1, t4 - t3, t5 - t4), strict=True):
+            samples[step].append(ms * 1e3)
+        await asyncio.sleep(pause_s)  # until the next request
+    skip = requests // 10
+    return {step: round(statistics.median(ms[skip:]), 3) for step, ms in samples.items()}
+
+
 async def long_histories(frontends: dict[str, Frontend], conversations: int = 16) -> dict[str, object]:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -105,6 +140,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--pause-ms", type=float, default=100.0)
     args = parser.parse_args()
     frontend = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
     figures = asyncio.run(measure(frontend, max(args.iterations, 60))) | {"model": args.model}
@@ -112,6 +148,14 @@ def main() -> None:
     whole.prompt_tokens.turn_off("this front end tokenizes every prompt whole")
     reuse = Frontend(model_path(args.model), args.model, 4096, OpenAISettings())
     figures |= asyncio.run(long_histories({"reuse": reuse, "whole": whole}))
+
+    async def warm_and_cold() -> tuple[dict[str, float], dict[str, float]]:
+        return (await overhead_request(frontend, args.model, 200, 0.0),
+                await overhead_request(frontend, args.model, 200, args.pause_ms / 1e3))
+
+    warm, cold = asyncio.run(warm_and_cold())
+    figures |= {"overhead_request_ms_p50": {"back_to_back": warm, f"pause_{args.pause_ms:g}_ms": cold},
+                "overhead_request_cold_vs_warm": round(sum(cold.values()) / sum(warm.values()), 2)}
     print(json.dumps(figures, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")
