@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -413,3 +414,22 @@ def test_later_turns_reuse_the_history_tokens_and_get_exactly_a_full_tokenizatio
     # One ingress replica: the two later turns found their history (the first may find another test's chat).
     assert after["hits"] - before["hits"] >= 2, (before, after)
     assert after["tokens_reused"] - before["tokens_reused"] > 2 * 100, (before, after)
+
+
+def test_stats_time_the_ingress_own_work_outside_the_engine_request(client, tiny_app):
+    """`/kvrelay/stats` -> `ingress_own_ms` counts one-turn non-streaming responses only, each with what the ingress
+    spent before its engine call and after the last delta: both positive and less than the whole request took."""
+    def own() -> dict:
+        return httpx.get(f"{tiny_app.base_url}/kvrelay/stats", headers=tiny_app.headers, timeout=30).json()[
+            "ingress_own_ms"] or {"samples": 0}
+
+    before = own()
+    started = time.monotonic()
+    client.completions.create(model=MODEL, prompt="Count: one two", max_tokens=3, temperature=0)
+    took_ms = (time.monotonic() - started) * 1e3
+    list(client.completions.create(model=MODEL, prompt="Count: one two", max_tokens=3, stream=True))
+    client.completions.create(model=MODEL, prompt="Count: one two", max_tokens=3, n=2, temperature=0.5)
+    after = own()
+    assert after["samples"] == before["samples"] + 1, (before, after)
+    # Medians over this module's one-turn requests so far; each took longer than its own work outside the engine.
+    assert 0 < after["before_engine_p50"] < took_ms and 0 < after["after_engine_p50"] < took_ms, (after, took_ms)
