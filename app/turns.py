@@ -268,6 +268,7 @@ class TurnRunner:
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
         # (puller, holder) replica pairs whose NIXL agents have met (a pull between them succeeded).
         self.met: set[tuple[str, str]] = set()
+        self._generate_handles: dict[Any, Any] = {}  # engine pool handle -> its streaming `generate` handle
 
     def replicas(self) -> list[ReplicaStats]:
         return self.directory.live()
@@ -449,7 +450,7 @@ class TurnRunner:
         self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
         if outcome.engine_called_at is None:
             outcome.engine_called_at = time.perf_counter()
-        stream = engines.options(stream=True).generate.remote(request)
+        stream = self._generate(engines).remote(request)
         try:
             async for delta in stream:
                 if delta.finished:
@@ -495,6 +496,14 @@ class TurnRunner:
                 yield delta
         finally:
             self.inflight.ended(where, request.request_id)
+
+    def _generate(self, engines: Any) -> Any:
+        """The pool's streaming `generate` handle, built once: a Serve handle makes a copy of itself on every
+        `options()` and attribute access, and this runs for every engine request."""
+        handle = self._generate_handles.get(engines)
+        if handle is None:
+            handle = self._generate_handles[engines] = engines.options(stream=True).generate
+        return handle
 
     def _after_response(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` in the background, AFTER_RESPONSE_S from now."""
