@@ -11,8 +11,10 @@ both paths do the same engine work; the paired difference is the ingress's cost.
 the ingress's planning took per turn (its own clock, from /kvrelay/stats). The no-op floor takes the same
 path as (a), measured twice: back to back (`serve_noop_http_ms_p50`), and once after each pair, i.e. after an
 engine call as every request of (a) is (`serve_noop_http_between_turns_ms_p50`). The two differ because a process
-that slept for a turn's ~100 ms runs its next request from cold caches: the same front-end calls took 3-9x as long
-here with a 100 ms pause between them as back to back (README, "Known limits"). `ingress_own_*_ms_p50` is what
+that slept for a turn's ~100 ms runs its next request from cold caches: the same front-end calls took about 6x as
+long here with a 100 ms pause between them as back to back (`python -m benchmarks.frontend`,
+`overhead_request_cold_vs_warm`). A pair whose two requests ran on different replicas is left out and counted
+(`pairs_left_out_on_different_replicas`). `ingress_own_*_ms_p50` is what
 the ingress spent on the pairs' requests outside the engine request (its own clock: arrival to engine call, last
 delta to the built response).
 
@@ -178,8 +180,8 @@ async def run(app, requests: int, stream_tokens: int, policy: str, noop_url: str
                 target = replica
                 d, _ = await direct(app.engines, prompt, 2, target, holds)
             # A pair is the same engine work only on the same replica (the two engines' speeds differ by up to ~20%
-            # between runs here): one whose HTTP request the ingress placed elsewhere (it sees the direct call's load
-            # on its target in a heartbeat that may come after that call ended) is left out, and counted.
+            # between runs here): one whose HTTP request the ingress placed elsewhere (probably seeing the direct
+            # call's load in a heartbeat that arrived after that call ended; not traced) is left out, and counted.
             if replica == target:
                 added.append(h - d)
             else:
