@@ -107,17 +107,18 @@ class DirectoryMirror:
         elif kind == "leave":
             self._forget(update[1])
         elif kind == "hold":
-            _, replica_id, key, hold, expires_at, hold_id = update
-            self._copy_hold(replica_id, key, hold, expires_at, hold_id)
+            _, replica_id, key, hold, expires_at, hold_id, prompt_tokens = update
+            self._copy_hold(replica_id, key, hold, expires_at, hold_id, prompt_tokens)
         elif kind == "consume":
             self._drop_hold(update[1])
         elif kind == "resident":
             self._copy.apply_resident(update[1], update[2])
 
-    def _copy_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, actor_id: int) -> None:
+    def _copy_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, actor_id: int,
+                   prompt_tokens: int) -> None:
         if actor_id in self._local_id or actor_id in self._gone:
             return
-        result = self._copy.record_hold(replica_id, key, hold, expires_at)
+        result = self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens)
         if result.hold_id is not None:
             self._local_id[actor_id] = result.hold_id
             self._actor_id[result.hold_id] = actor_id
@@ -139,6 +140,10 @@ class DirectoryMirror:
     def lookup(self, key: PrefixKey) -> LookupResult:
         return self._copy.lookup(key)
 
+    def continues(self, key: PrefixKey) -> bool:
+        """Whether `key` starts with the whole prompt of a turn whose hold is pending (`KVDirectory.continues`)."""
+        return self._copy.continues(key)
+
     def live(self) -> list[ReplicaStats]:
         """Replicas whose heartbeats reached this mirror lately (a silent one is dropped with all it holds)."""
         for replica_id in self._replicas.sweep():
@@ -148,7 +153,8 @@ class DirectoryMirror:
     # ----- writes (the actor first, then the copy)
 
     def record_hold(
-        self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, at_actor_after_s: float = 0.0
+        self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, at_actor_after_s: float = 0.0,
+        prompt_tokens: int = 0,
     ) -> asyncio.Task:
         """Record a turn's new hold in this copy at once, so this ingress's next turn sees it, and at the actor in
         the background (`at_actor_after_s` from now), so the turn's last token does not wait for a directory round
@@ -157,9 +163,9 @@ class DirectoryMirror:
         Until the actor answers, the hold is offered here but only usable through this mirror: `consume_hold`
         waits for the answer; if the actor refused the hold, the copy drops it too.
         """
-        local = self._copy.record_hold(replica_id, key, hold, expires_at).hold_id
+        local = self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens).hold_id
         task = asyncio.get_running_loop().create_task(
-            self._record_at_actor(local, replica_id, key, hold, expires_at, at_actor_after_s))
+            self._record_at_actor(local, replica_id, key, hold, expires_at, at_actor_after_s, prompt_tokens))
         if local is not None:
             self._pending[local] = task
         self._background.add(task)
@@ -167,11 +173,13 @@ class DirectoryMirror:
         return task
 
     async def _record_at_actor(
-        self, local: int | None, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, after_s: float
+        self, local: int | None, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, after_s: float,
+        prompt_tokens: int,
     ) -> None:
         try:
             await asyncio.sleep(after_s)
-            answer = await self.directory.record_hold.remote(replica_id, key, hold, expires_at)
+            answer = await self.directory.record_hold.remote(replica_id, key, hold, expires_at,
+                                                             prompt_tokens=prompt_tokens)
             actor_id = answer.hold_id
         except Exception as exc:  # the directory restarts: the hold is not offered, its lease frees it
             logger.warning("could not record a hold of %s at the KV directory: %s", replica_id, exc)
@@ -180,7 +188,7 @@ class DirectoryMirror:
             self._pending.pop(local, None)
         if local is None:  # this copy knew a deeper hold already; follow the actor's answer as the feed would
             if actor_id is not None:
-                self._copy_hold(replica_id, key, hold, expires_at, actor_id)
+                self._copy_hold(replica_id, key, hold, expires_at, actor_id, prompt_tokens)
             return
         if actor_id is None or actor_id in self._gone:  # refused by the actor, or taken already
             self._copy.consume_hold(local)

@@ -283,11 +283,13 @@ class TurnRunner:
             # Every prompt position needs its logprobs computed: nothing cached or pulled may stand in for it.
             lookup = LookupResult(lookup.query_tokens, ())
         if force is None and self._leaves_holds(turn, "decode"):
-            # A turn whose prompt starts with a held history (a previous turn's prompt and reply) continues a
-            # conversation: how often that happens tells how many turns a placement brings along. Only where turns
-            # leave their history held for the next turn (the last stage's hold: in P/D the decode's, which only
-            # pulling policies keep) can a continuation be told from a new prompt sharing a prefix.
-            self.cost.observe_turn(any(m.hold is not None for m in lookup.matches))
+            # A turn whose prompt starts with a previous turn's whole prompt continues a conversation: how often that
+            # happens tells how many turns a placement brings along. Only where turns leave their history held for
+            # the next turn (the last stage's hold: in P/D the decode's, which only pulling policies keep) can a
+            # continuation be told from a new prompt sharing a prefix. Not by a hold matching the prompt: the reply
+            # comes back re-tokenized from its text, and in about a quarter of the turns of the benchmark's
+            # conversations its tokens differed from the generated ones.
+            self.cost.observe_turn(self.directory.continues(key))
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)
         views = with_busy_peers([self.inflight.view(r) for r in replicas], node_of)
@@ -544,7 +546,7 @@ class TurnRunner:
         if last.hold is not None:
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
             self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s,
-                                       at_actor_after_s=AFTER_RESPONSE_S)
+                                       at_actor_after_s=AFTER_RESPONSE_S, prompt_tokens=len(turn.token_ids))
 
     async def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta) -> None:
         """Teach the cost model this request's prefill (and pull) time, if it had its engine to itself."""

@@ -48,7 +48,7 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
         # Updates arrive through the actor, from replicas (heartbeats, cache events) and other ingresses (holds).
         await directory.heartbeat.remote(identity("r1"), stats("r1"))
         await directory.heartbeat.remote(identity("r2"), stats("r2"))
-        await directory.record_hold.remote("r1", conv, new_hold(16), time.time() + 3600)
+        await directory.record_hold.remote("r1", conv, new_hold(16), time.time() + 3600, prompt_tokens=13)
         await directory.apply_resident.remote("r2", [StoreResident(None, conv.block_hashes[:2])])
         await until(lambda: len(mirror.lookup(conv.extend([9])).matches) == 2)
         assert [r.replica_id for r in mirror.live()] == ["r1", "r2"]
@@ -60,6 +60,9 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
             return [(m.replica_id, m.kind, m.num_tokens, m.cached_tokens) for m in result.matches]
 
         assert shape(local) == shape(remote)
+        # The hold's turn had a 13-token prompt: a next turn whose reply tokens came back different continues it.
+        assert mirror.continues(key([*range(12), 99, 98, 97, 96, 5]))
+        assert not mirror.continues(key([*range(4), 99, *range(5, 16)]))
 
         # A replica that leaves takes its holdings with it, in the mirror too.
         await directory.deregister.remote("r2")
@@ -127,8 +130,8 @@ class SlowAnswers:
         actor = self._actor
 
         class Delayed:
-            async def remote(self, *args: Any) -> Any:
-                answer = await actor.record_hold.remote(*args)
+            async def remote(self, *args: Any, **kwargs: Any) -> Any:
+                answer = await actor.record_hold.remote(*args, **kwargs)
                 await asyncio.sleep(1.0)
                 return answer
 

@@ -132,6 +132,31 @@ def test_longest_hold_wins_and_newer_holds_do_not_supersede_older(directory: KVD
     directory.check_integrity()
 
 
+def test_a_next_turn_continues_its_conversation_even_when_its_reply_came_back_as_other_tokens(
+    directory: KVDirectory,
+) -> None:
+    system = list(range(100, 108))  # two blocks every conversation shares
+    prompt = [*system, *range(10, 19)]  # 17 tokens: the turn's prompt
+    reply = [40, 41, 42, 43, 44, 45]
+    key = directory.key([*prompt, *reply], A)
+    directory.record_hold("r1", key, hold(1, len(prompt) + len(reply)), expires_at=2000.0, prompt_tokens=len(prompt))
+    # The next turn's prompt has the reply re-tokenized from its text (the first two tokens merged), then more.
+    retokenized = directory.key([*prompt, 4041, 42, 43, 44, 45, 7, 8, 9, 10], A)
+    assert directory.lookup(retokenized).best().hold is None  # no hold covers it: it is not the held history
+    assert directory.continues(retokenized)
+    # The chat template may render the prompt's last token (a newline) together with the reply.
+    assert directory.continues(directory.key([*prompt[:-1], 999, *reply], A))
+    # A new conversation sharing only the system prompt, or most of this one's prompt, does not continue it.
+    assert not directory.continues(directory.key([*system, *range(60, 75)], A))
+    assert not directory.continues(directory.key([*prompt[:10], 99, *prompt[11:], *reply], A))
+    assert not directory.continues(directory.key([*prompt, *reply], B))  # another tenant
+    directory.check_integrity()
+    # Once the hold is gone (pulled, released or expired), nothing says where that conversation went.
+    directory.consume_hold(directory.lookup(key.extend([1])).best().hold.hold_id)
+    assert not directory.continues(retokenized)
+    directory.check_integrity()
+
+
 def test_expired_hold_is_never_returned(directory: KVDirectory, clock: FakeClock) -> None:
     key = directory.key(range(8), A)
     hold_id = directory.record_hold("r1", key, hold(1, 8), expires_at=clock.now + 60).hold_id
@@ -241,6 +266,16 @@ class BruteForce:
     def __init__(self) -> None:
         self.holds: dict[int, tuple[str, Scope, tuple[int, ...], Hold, float]] = {}
         self.flags: dict[str, set[tuple[Scope, tuple[int, ...]]]] = {r: set() for r in REPLICAS}
+        self.prompts: dict[int, int] = {}  # hold id -> the prompt tokens of the turn that left it
+
+    def continues(self, scope: Scope, tokens: tuple[int, ...], now: float) -> bool:
+        """Some pending hold's prompt, but for its last token and cut to full blocks, starts `tokens`."""
+        for hold_id, (_r, s, htoks, _p, _e) in self.alive(now).items():
+            prompt = self.prompts[hold_id]
+            blocks = min(len(htoks) // BS, (prompt - 1) // BS) if prompt > 0 else 0
+            if s == scope and blocks and tokens[: blocks * BS] == htoks[: blocks * BS]:
+                return True
+        return False
 
     def alive(self, now: float) -> dict[int, tuple[str, Scope, tuple[int, ...], Hold, float]]:
         return {i: h for i, h in self.holds.items() if now < h[4] - MARGIN}
@@ -316,11 +351,14 @@ class DirectoryMachine(RuleBasedStateMachine):
         extra=tokens_st,
         cut=cut_st,
         ttl=st.floats(0.5, 20.0),
+        prompt=st.integers(0, 16),
     )
-    def record_hold(self, replica, scope, pick, extra, cut, ttl) -> None:
+    def record_hold(self, replica, scope, pick, extra, cut, ttl, prompt) -> None:
         seq = self._seq(pick, extra, cut)
         expires = self.clock.now + ttl
-        rec = self.directory.record_hold(replica, PrefixKey.build(seq, scope, BS), hold(seq, len(seq)), expires)
+        prompt = min(prompt, len(seq))
+        rec = self.directory.record_hold(replica, PrefixKey.build(seq, scope, BS), hold(seq, len(seq)), expires,
+                                         prompt_tokens=prompt)
         keep = len(seq) >= BS and self.clock.now < expires - MARGIN
         if not self.bounded:
             assert (rec.hold_id is not None) == keep
@@ -328,6 +366,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             assert keep
             self.hold_ids.append(rec.hold_id)
             self.model.holds[rec.hold_id] = (replica, scope, seq, hold(seq, len(seq)), expires)
+            self.model.prompts[rec.hold_id] = prompt
 
     @rule(
         replica=st.sampled_from(REPLICAS),
@@ -398,11 +437,15 @@ class DirectoryMachine(RuleBasedStateMachine):
         self._check_lookup(scope, self._seq(pick, extra, cut))
 
     def _check_lookup(self, scope: Scope, seq: tuple[int, ...]) -> None:
-        got = summary(self.directory.lookup(PrefixKey.build(seq, scope, BS)))
+        key = PrefixKey.build(seq, scope, BS)
+        got = summary(self.directory.lookup(key))
         expected = self.model.lookup(scope, seq, self.clock.now)
+        continues = self.directory.continues(key)
         if not self.bounded:
             assert got == expected
+            assert continues == self.model.continues(scope, seq, self.clock.now)
             return
+        assert not continues or self.model.continues(scope, seq, self.clock.now)
         truth = {m[0]: m for m in expected}
         for replica, num, _kind, cached, hold_id in got:
             assert replica in truth and num <= truth[replica][1] and cached <= truth[replica][3]

@@ -81,14 +81,16 @@ class KVDirectoryActor:
         return self._directory.lookup(query, scope)
 
     async def record_hold(
-        self, replica_id: str, key: PrefixKey | Sequence[int], hold: Hold, expires_at: float, scope: Scope | None = None
+        self, replica_id: str, key: PrefixKey | Sequence[int], hold: Hold, expires_at: float,
+        scope: Scope | None = None, prompt_tokens: int = 0,
     ) -> RecordResult:
         if replica_id in self._departed:
             return RecordResult(hold_id=None, new_entries=0, evicted_chains=0)
-        result = self._directory.record_hold(replica_id, key, hold, expires_at, scope=scope)
+        result = self._directory.record_hold(replica_id, key, hold, expires_at, scope=scope,
+                                             prompt_tokens=prompt_tokens)
         if result.hold_id is not None:
             key = self._directory._as_key(key, scope)
-            self._log.append(("hold", replica_id, key, hold, expires_at, result.hold_id))
+            self._log.append(("hold", replica_id, key, hold, expires_at, result.hold_id, prompt_tokens))
         return result
 
     async def consume_hold(self, hold_id: int) -> Hold | None:

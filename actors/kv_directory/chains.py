@@ -52,6 +52,8 @@ class ChainIndex:
         self._clock = clock
         self._nodes: dict[BlockHash, Node] = {}
         self._holds: dict[int, HoldRecord] = {}
+        # The block each pending hold's prompt ends at (`HoldRecord.prompt_end`), with how many holds end there.
+        self._prompt_ends: dict[BlockHash, int] = {}
         self._lru: OrderedDict[int, HoldRecord | Segment] = OrderedDict()
         self._expiry: list[tuple[float, int]] = []
         self._replicas: dict[str, ReplicaRecord] = {}

@@ -38,11 +38,14 @@ class HoldIndex(ChainIndex):
         expires_at: float,
         *,
         scope: Scope | tuple[str, str] | None = None,
+        prompt_tokens: int = 0,
     ) -> RecordResult:
         """Record that `replica_id` exported `hold`, the KV of the first `hold.num_tokens` tokens of `key`.
 
         `expires_at` is in this directory's clock (wall time by default). Holds without a full block are not
-        kept: a pull would never beat recomputing them.
+        kept: a pull would never beat recomputing them. `prompt_tokens`: how many of `key`'s tokens were the
+        prompt of the turn that left the hold (the rest its reply), so that `continues` knows a next turn of its
+        conversation even where the reply's tokens come back different (0: unknown).
         """
         key = self._as_key(key, scope)
         now = self._purge_expired()
@@ -58,7 +61,13 @@ class HoldIndex(ChainIndex):
         tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
         nbytes = HOLD_BYTES + alloc(tail) + deep_size(hold)
         end = key.block_hash(full - 1)
-        record = HoldRecord(hold_id, rep.index, end, num_tokens, tail, hold, expires_at, nbytes)
+        # The prompt's full blocks before its last token: a chat template may render that token together with the
+        # reply that follows it (a newline), so only the blocks before it are sure to come back in the next turn.
+        prompt_blocks = min(full, (prompt_tokens - 1) // self.block_size) if prompt_tokens > 0 else 0
+        prompt_end = key.block_hash(prompt_blocks - 1) if prompt_blocks else None
+        record = HoldRecord(hold_id, rep.index, end, num_tokens, tail, hold, expires_at, nbytes, prompt_end)
+        if prompt_end is not None:
+            self._prompt_ends[prompt_end] = self._prompt_ends.get(prompt_end, 0) + 1
         created = self._acquire_hold(key.hashes, full, rep.index)
         node = self._nodes[end]
         if node.ends is None:
@@ -116,6 +125,10 @@ class HoldIndex(ChainIndex):
             node.ends = None
         del self._holds[hold.hold_id]
         del self._lru[hold.hold_id]
+        if hold.prompt_end is not None:
+            left = self._prompt_ends.pop(hold.prompt_end) - 1
+            if left:
+                self._prompt_ends[hold.prompt_end] = left
         rep.holds.discard(hold.hold_id)
         self._bytes -= hold.nbytes
         self._release(hold.end, rep, resident=False)
@@ -135,6 +148,21 @@ class HoldIndex(ChainIndex):
             self._expiry = [(h.expires_at, h.hold_id) for h in self._holds.values()]
             heapq.heapify(self._expiry)
         return now
+
+    def continues(self, key: PrefixKey) -> bool:
+        """Whether `key` starts with the whole prompt of a turn that left a hold here (its replica's end of the
+        turn, still pending): the query then continues that turn's conversation (or repeats the turn), whatever
+        its reply's tokens came back as. A reply re-tokenized from its text can differ from the tokens the model
+        generated ("of" + "a" comes back as "ofa"), and then no hold matches the query, though the conversation
+        goes on. Holds past their offer time no longer count. One dict probe per block of the query, from its
+        deepest."""
+        ends = self._prompt_ends
+        if ends and self._expiry and self._clock() >= self._expiry[0][0] - self.expiry_margin_s:
+            self._purge_expired()
+        if not ends:
+            return False
+        hashes = key.hashes
+        return any(hashes[(d - 1) * H : d * H] in ends for d in range(len(hashes) // H, 0, -1))
 
     # ----- offers (for `KVDirectory.lookup`)
 

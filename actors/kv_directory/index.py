@@ -227,6 +227,12 @@ class KVDirectory(HoldIndex, ResidentIndex):
                 if r > 0:
                     rep = self._by_index[index]
                     assert (key in rep.holes) == (key not in rep.resident), "hole set wrong"
+        prompt_ends: dict[BlockHash, int] = {}
+        for hold in self._holds.values():
+            if hold.prompt_end is not None:
+                assert hold.prompt_end in self._nodes, "prompt end off the chains"
+                prompt_ends[hold.prompt_end] = prompt_ends.get(hold.prompt_end, 0) + 1
+        assert prompt_ends == self._prompt_ends, "prompt ends out of step"
         live_segments = 0
         for rep in self._replicas.values():
             for key in rep.holes:

@@ -41,9 +41,12 @@ class Node:
 
 
 class HoldRecord:
-    """One recorded hold: its replica, the node its full blocks end at, its partial last block's tokens."""
+    """One recorded hold: its replica, the node its full blocks end at, its partial last block's tokens, and the
+    node its history's prompt ends at (`prompt_end`: the last full block before the prompt's last token; None if
+    unknown or the prompt has none)."""
 
-    __slots__ = ("hold_id", "replica", "end", "num_tokens", "tail", "hold", "expires_at", "nbytes", "used")
+    __slots__ = ("hold_id", "replica", "end", "num_tokens", "tail", "hold", "expires_at", "nbytes", "used",
+                 "prompt_end")
 
     def __init__(
         self,
@@ -55,6 +58,7 @@ class HoldRecord:
         hold: Hold | None,
         expires_at: float,
         nbytes: int,
+        prompt_end: BlockHash | None = None,
     ) -> None:
         self.hold_id = hold_id
         self.replica = replica
@@ -65,6 +69,7 @@ class HoldRecord:
         self.expires_at = expires_at
         self.nbytes = nbytes
         self.used = False  # offered since it last reached the LRU's old end (second-chance LRU)
+        self.prompt_end = prompt_end
 
 
 class Segment:
@@ -124,7 +129,7 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
 # in the entries table plus index space, at the table's load between one third and two thirds.
 _DICT_SLOT_BYTES = 56
 NODE_BYTES = alloc(Node(None)) + alloc(b"\0" * HASH_BYTES) + _DICT_SLOT_BYTES
-HOLD_BYTES = alloc(HoldRecord(0, 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
+HOLD_BYTES = alloc(HoldRecord(0, 0, b"", 0, b"", None, 0.0, 0)) + 4 * _DICT_SLOT_BYTES + 64
 SEGMENT_BYTES = alloc(Segment(0, 0, None)) + alloc([]) + 2 * _DICT_SLOT_BYTES
 RESIDENT_BYTES = _DICT_SLOT_BYTES + 8
 
