@@ -4,11 +4,13 @@
 the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
 with the lowest cost: its estimated time to first token plus the delay it would impose on other requests' first
 tokens (requests arriving at a busy target wait for its prefill; an idle engine that starts work slows the busy
-engines sharing its node, by the measured contention, and with them the first tokens waiting or arriving there,
-during this turn and during the later turns its conversation will bring there). Slower decoding is priced only
-through those first tokens: it lengthens replies already started, not their wait.
-So a busy holder can lose the turn to an idle replica that pulls from it, and a turn joins a busy engine beside an
-idle one when that engine is busy enough that slowing it would cost others more than the turn saves. The other
+engines sharing its node, by the measured contention, and with them the first tokens waiting or arriving there;
+and on any target, the later turns the conversation will bring there keep it decoding beside the busy engines of
+its node, slowing the first tokens arriving at them). Slower decoding is priced only through those first tokens:
+it lengthens replies already started, not their wait.
+So a busy holder can lose the turn to an idle replica that pulls from it, a turn joins a busy engine beside an
+idle one when that engine is busy enough that slowing it would cost others more than the turn saves, and of two
+busy engines the one with less traffic drains into the other as its conversations' next turns move. The other
 policies are the routing rules users would otherwise run (round robin, session affinity, prefix affinity, vLLM's
 fixed pull threshold), chosen from the same options so that benchmarks compare them on the same engines and every
 plan still reports every estimate.
@@ -201,25 +203,28 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
     decoding there are slowed too, but their first tokens are out.
 
     A turn also decides where its conversation lives: its later turns find their history on the target and stay
-    there (moving them costs a pull or a recompute). So on an idle target the arrivals beside it are slowed again
-    during each later turn's decode, for as many turns as conversations have been bringing
-    (`CostModel.expected_future_turns`). On a busy target a later turn only adds its short prefill to the batch, and
-    a decode there is one more row of a step the engine takes anyway: not priced. That is the difference between
-    one engine and two on one node's CPUs: a CPU decode step costs about the same for one request or four, so one
-    engine's batch grows almost for free, while a second engine decoding beside the first slows it (the measured
-    contention: the cores themselves do not slow each other, benchmarks/two_cores.py, but with both engines busy
-    the node's other processes, replica actors, ingress and Ray, take their CPU from the engines).
+    there (moving them costs a pull or a recompute), and each keeps the target decoding beside the busy engines of
+    its node, whose arrivals are slowed again meanwhile, for as many turns as conversations have been bringing
+    (`CostModel.expected_future_turns`). That is priced on a busy target too: whether it would stay busy without
+    this conversation depends on where its other conversations go, and they are placed by the same rule. It makes
+    two busy engines unequal: a conversation on the one with less traffic slows the arrivals at the busier one,
+    and moves there (pulling its history) once that costs less, so the quieter engine drains. A CPU decode step
+    costs about the same for one request or four, so one engine's batch grows almost for free, while a second
+    engine decoding beside the first slows it (the measured contention: the cores themselves do not slow each
+    other, benchmarks/two_cores.py, but with both engines busy the node's other processes, replica actors, ingress
+    and Ray, take their CPU from the engines).
     """
-    if not target.idle:
-        return target.arrival_rate / 1e3 * compute_ms**2 / 2
-    occupancy = compute_ms + output_tokens * cost.decode_step_ms
     later = output_tokens * cost.decode_step_ms  # each later turn's stay: its decode (its prefill is short)
     future = cost.expected_future_turns()
-    return sum(
+    stays = sum(cost.contention_impact_ms(later / 2, future * peer.arrival_rate / 1e3 * later, target.replica_id)
+                for peer in target.peers)
+    if not target.idle:
+        return target.arrival_rate / 1e3 * compute_ms**2 / 2 + stays
+    occupancy = compute_ms + output_tokens * cost.decode_step_ms
+    return stays + sum(
         cost.contention_impact_ms(min(occupancy, cost.recompute_ms(peer.prefill_tokens)), peer.waiting,
                                   target.replica_id)
         + cost.contention_impact_ms(occupancy / 2, peer.arrival_rate / 1e3 * occupancy, target.replica_id)
-        + cost.contention_impact_ms(later / 2, future * peer.arrival_rate / 1e3 * later, target.replica_id)
         for peer in target.peers
     )
 

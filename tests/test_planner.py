@@ -426,6 +426,36 @@ def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_woul
     assert (independent.replica_id, independent.mode) == ("b", Mode.LOCAL)
 
 
+def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
+    n = 1024
+    cost = contended(0.1)
+    for _ in range(12):
+        for first in range(5):  # conversations of five turns
+            cost.observe_turn(continues=first > 0)
+    on_b = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
+    # Both engines decode: "a" four conversations' turns (2 requests a second arrive there), "b" one other
+    # conversation's (0.5 a second). A conversation living on "b" keeps "b" decoding beside "a" for its four more
+    # turns, slowing a's arrivals each time; on "a" its turns slow b's fewer arrivals: it moves to "a", pulling its
+    # history, though this turn's own first token comes a little later there. So "b" drains.
+    views = [ReplicaView("a", running=4, arrival_rate=2.0, peers=(PeerLoad(0, 0, 0.5),)),
+             ReplicaView("b", running=1, arrival_rate=0.5, peers=(PeerLoad(0, 0, 2.0),))]
+    moved = plan_turn(n + 64, on_b, views, cost, output_tokens=24)
+    assert (moved.replica_id, moved.mode, moved.holder) == ("a", Mode.PULL, "b")
+    assert moved.estimate_ms > moved.estimates_ms["local"]
+    stay = next(o for o in _options(n + 64, on_b, views, cost, output_tokens=24) if o.mode is Mode.LOCAL)
+    decode = 24 * cost.decode_step_ms
+    assert stay.impact_ms == pytest.approx(
+        0.5 / 1e3 * stay.model_ms**2 / 2 + 0.1 * (4.0 * 2.0 / 1e3 * decode) * decode / 2, rel=0.05)
+    # A conversation on the busier engine stays there.
+    on_a = lookup(n + 64, ReplicaMatch("a", n, "hold", n, hold("a", n)))
+    assert (plan_turn(n + 64, on_a, views, cost, output_tokens=24).replica_id,) == ("a",)
+    # With the same traffic on both, moving saves nothing: the turn stays with its history (no ping-pong).
+    even = [views[0]._replace(arrival_rate=1.0, peers=(PeerLoad(0, 0, 1.0),)),
+            views[1]._replace(running=4, arrival_rate=1.0, peers=(PeerLoad(0, 0, 1.0),))]
+    stays = plan_turn(n + 64, on_b, even, cost, output_tokens=24)
+    assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
+
+
 def test_busy_peers_are_the_busy_engines_on_the_same_node_only():
     from app.turns import with_busy_peers
 
