@@ -18,6 +18,8 @@ from configs.app import AppConfig, PoolConfig
 
 ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
 POLICY_CLASS = "app.autoscaling:EngineAutoscalingPolicy"
+# Requests an ingress replica admits beyond its turns (`AppConfig.ingress_max_turns`).
+INGRESS_SPARE_REQUESTS = 32
 
 
 def logging_config(config: AppConfig, internal: bool) -> dict[str, Any]:
@@ -122,7 +124,12 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
                 update={"engine": decode.engine.model_copy(update={"cpu_core_offset": shifted})}
             )
         pools["decode_engines"] = engine_deployment("decode_engines", decode, directory, config, hold_key)
+    # Serve admits `max_ongoing_requests` at once per replica (its default, 5, queued every request beyond five
+    # in front of the handler, out of sight: with 10 streaming clients each waited ~2 s before the ingress saw it).
+    # The ingress's own limit (`ingress_max_turns`, a 429 at once) governs; the spare room is for requests that
+    # are not turns (health, metrics, stats) and streams finishing after their turn.
     ingress = serve.deployment(Ingress, name="ingress",
+                               max_ongoing_requests=config.ingress_max_turns + INGRESS_SPARE_REQUESTS,
                                ray_actor_options={"num_cpus": config.ingress_num_cpus,
                                                   "resources": config.ingress_resources},
                                logging_config=logging_config(config, internal=False))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -433,3 +434,25 @@ def test_stats_time_the_ingress_own_work_outside_the_engine_request(client, tiny
     assert after["samples"] == before["samples"] + 1, (before, after)
     # Medians over this module's one-turn requests so far; each took longer than its own work outside the engine.
     assert 0 < after["before_engine_p50"] < took_ms and 0 < after["after_engine_p50"] < took_ms, (after, took_ms)
+
+
+def test_the_ingress_runs_more_streams_at_once_than_serves_default_admits(tiny_app):
+    """Serve admits five requests at once per replica unless told otherwise, and queues the rest in front of the
+    handler, where nothing measures the wait; the ingress admits its own limit of turns: eight streams all get their
+    first token before any of them ends."""
+    body = {"model": MODEL, "prompt": "count with me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {API_KEYS[0]}"}
+
+    def one(_: int) -> tuple[float, float]:
+        with httpx.stream("POST", f"{tiny_app.base_url}/v1/completions", json=body, headers=headers,
+                          timeout=120) as response:
+            assert response.status_code == 200
+            first = None
+            for line in response.iter_lines():
+                if first is None and line.startswith("data: {"):
+                    first = time.monotonic()
+            return first, time.monotonic()
+
+    with ThreadPoolExecutor(8) as pool:
+        spans = list(pool.map(one, range(8)))
+    assert max(first for first, _ in spans) < min(end for _, end in spans), spans
