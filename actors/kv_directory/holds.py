@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from actors.kv_directory.chains import ChainIndex, H
 from actors.kv_directory.records import (
     HOLD_BYTES,
+    PROMPT_END_BYTES,
     REF_BITS,
     HoldRecord,
     Node,
@@ -59,12 +60,12 @@ class HoldIndex(ChainIndex):
         hold_id = self._next_chain_id
         self._next_chain_id += 1
         tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
-        nbytes = HOLD_BYTES + alloc(tail) + deep_size(hold)
         end = key.block_hash(full - 1)
         # The prompt's full blocks before its last token: a chat template may render that token together with the
         # reply that follows it (a newline), so only the blocks before it are sure to come back in the next turn.
         prompt_blocks = min(full, (prompt_tokens - 1) // self.block_size) if prompt_tokens > 0 else 0
         prompt_end = key.block_hash(prompt_blocks - 1) if prompt_blocks else None
+        nbytes = HOLD_BYTES + alloc(tail) + deep_size(hold) + (PROMPT_END_BYTES if prompt_end is not None else 0)
         record = HoldRecord(hold_id, rep.index, end, num_tokens, tail, hold, expires_at, nbytes, prompt_end)
         if prompt_end is not None:
             self._prompt_ends[prompt_end] = self._prompt_ends.get(prompt_end, 0) + 1
@@ -150,12 +151,11 @@ class HoldIndex(ChainIndex):
         return now
 
     def continues(self, key: PrefixKey) -> bool:
-        """Whether `key` starts with the whole prompt of a turn that left a hold here (its replica's end of the
-        turn, still pending): the query then continues that turn's conversation (or repeats the turn), whatever
-        its reply's tokens came back as. A reply re-tokenized from its text can differ from the tokens the model
-        generated ("of" + "a" comes back as "ofa"), and then no hold matches the query, though the conversation
-        goes on. Holds past their offer time no longer count. One dict probe per block of the query, from its
-        deepest."""
+        """Whether `key` starts with the whole prompt of a turn whose hold is pending here: the query then continues
+        that turn's conversation (or repeats the turn), whatever its reply's tokens came back as. A reply
+        re-tokenized from its text can differ from the tokens the model generated ("of" + "a" comes back as "ofa"),
+        and then no hold matches the query, though the conversation goes on. Holds past their offer time no longer
+        count. One dict probe per block of the query, from its deepest."""
         ends = self._prompt_ends
         if ends and self._expiry and self._clock() >= self._expiry[0][0] - self.expiry_margin_s:
             self._purge_expired()

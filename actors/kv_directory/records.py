@@ -129,7 +129,8 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
 # in the entries table plus index space, at the table's load between one third and two thirds.
 _DICT_SLOT_BYTES = 56
 NODE_BYTES = alloc(Node(None)) + alloc(b"\0" * HASH_BYTES) + _DICT_SLOT_BYTES
-HOLD_BYTES = alloc(HoldRecord(0, 0, b"", 0, b"", None, 0.0, 0)) + 4 * _DICT_SLOT_BYTES + 64
+HOLD_BYTES = alloc(HoldRecord(0, 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
+PROMPT_END_BYTES = _DICT_SLOT_BYTES  # a hold's entry in the directory's prompt ends
 SEGMENT_BYTES = alloc(Segment(0, 0, None)) + alloc([]) + 2 * _DICT_SLOT_BYTES
 RESIDENT_BYTES = _DICT_SLOT_BYTES + 8
 
