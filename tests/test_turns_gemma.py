@@ -15,6 +15,9 @@ def gemma_app(serve_port):
     engine = dict(TINY_ENGINE, model="tiny-gemma3n", kv_sharing_fast_prefill=True)
     app = run_app("gemma", "/gemma", serve_port, pool={"num_replicas": 2, "engine": engine})
     app.replica_ids(2)
+    # The start-up calibration's turns keep the replicas busy meanwhile, and a forced local turn on a busy replica
+    # rightly uses its prefix cache alone rather than wait a step to read its own hold: start once they are done.
+    app.ingress.calibrated.remote().result()
     yield app
     serve.delete("gemma")
 
