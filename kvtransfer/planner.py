@@ -81,7 +81,7 @@ class ReplicaView(NamedTuple):
     @property
     def load(self) -> LoadView:
         return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens, self.busy_peers,
-                        self.replica_id)
+                        self.replica_id, self.prefilling)
 
     @property
     def idle(self) -> bool:
@@ -222,8 +222,8 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2 + stays
     occupancy = compute_ms + output_tokens * cost.decode_step_ms
     return stays + sum(
-        cost.contention_impact_ms(min(occupancy, cost.recompute_ms(peer.prefill_tokens)), peer.waiting,
-                                  target.replica_id)
+        cost.contention_impact_ms(min(occupancy, cost.queued_prefill_ms(peer.prefill_tokens, peer.waiting)),
+                                  peer.waiting, target.replica_id)
         + cost.contention_impact_ms(occupancy / 2, peer.arrival_rate / 1e3 * occupancy, target.replica_id)
         for peer in target.peers
     )

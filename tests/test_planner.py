@@ -6,7 +6,7 @@ import pytest
 
 from app.turns import preferred_replica
 from configs.app import Policy
-from kvtransfer.cost_model import CostModel
+from kvtransfer.cost_model import CostModel, LoadView
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView, _options, plan_turn
 from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
@@ -454,6 +454,22 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
             views[1]._replace(running=4, arrival_rate=1.0, peers=(PeerLoad(0, 0, 1.0),))]
     stays = plan_turn(n + 64, on_b, even, cost, output_tokens=24)
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
+
+
+def test_prompts_queued_on_a_replica_are_priced_as_separate_prompts_prefilled_together():
+    cost = CostModel(KVShape.from_hf_config(SMOLLM2, "bfloat16", 32).kv_bytes)
+    for n in (256, 512, 1024, 2048, 4096):
+        for context in (0, 1024):  # 40 ms fixed, 0.5 ms a token, attention 0.1 ms per token and 1k tokens before it
+            cost.observe_prefill(n, context, 40 + 0.5 * n + 0.1 * n * (context + n / 2) / 1e3)
+    # Eight 1k-token prompts wait on the replica: every token's cost, attention within each prompt, the fixed cost
+    # once (vLLM prefills them in the same steps). As one 8k-token prompt, attention over all of them would add
+    # 2.8 s that no step spends.
+    queued = LoadView(running=0, waiting=0, decode_tok_s=None, prefill_tokens=8000, prefilling=8)
+    assert cost.queue_ms(queued) == pytest.approx(40 + 0.5 * 8000 + 8 * 0.1 * 1000 * 500 / 1e3, rel=0.01)
+    assert cost.recompute_ms(8000) == pytest.approx(40 + 0.5 * 8000 + 0.1 * 8000 * 4000 / 1e3, rel=0.01)
+    # One queued prompt is just its own prefill.
+    assert cost.queue_ms(LoadView(0, 0, None, prefill_tokens=1000, prefilling=1)) == pytest.approx(
+        cost.recompute_ms(1000))
 
 
 def test_busy_peers_are_the_busy_engines_on_the_same_node_only():
