@@ -287,8 +287,8 @@ class TurnRunner:
             # happens tells how many turns a placement brings along. Only where turns leave their history held for
             # the next turn (the last stage's hold: in P/D the decode's, which only pulling policies keep) can a
             # continuation be told from a new prompt sharing a prefix. Not by a hold matching the prompt: the reply
-            # comes back re-tokenized from its text, and in about a quarter of the turns of the benchmark's
-            # conversations its tokens differed from the generated ones.
+            # comes back re-tokenized from its text, and in up to a quarter of the benchmark's continuing turns
+            # its tokens differed from the generated ones.
             self.cost.observe_turn(self.directory.continues(key))
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)

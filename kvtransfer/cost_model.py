@@ -185,7 +185,11 @@ class CostModel:
         `busy_peers` other engines on its node are busy, on `replica_id` (at its measured speed) or a typical one."""
         if new_tokens <= 0:
             return 0.0
-        solo = max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
+        return self._prefill_ms(_prefill_features(new_tokens, context_tokens), busy_peers, replica_id)
+
+    def _prefill_ms(self, features: Sequence[float], busy_peers: int, replica_id: str | None) -> float:
+        """The prefill fit at `features`, on `replica_id` while `busy_peers` engines beside it are busy."""
+        solo = max(0.0, self.prefill.predict(features))
         return solo * self.slowdown(busy_peers, replica_id) * self.speed_factor(replica_id)
 
     def speed_factor(self, replica_id: str | None) -> float:
@@ -240,8 +244,7 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         n = max(1, requests)
-        solo = max(0.0, self.prefill.predict((1.0, float(tokens), tokens * (tokens / n) / 2 / 1e3)))
-        return solo * self.slowdown(busy_peers, replica_id) * self.speed_factor(replica_id)
+        return self._prefill_ms((1.0, float(tokens), tokens * (tokens / n) / 2 / 1e3), busy_peers, replica_id)
 
     def contention_impact_ms(self, overlap_ms: float, requests: float, replica_id: str | None = None) -> float:
         """Delay imposed on `requests` requests working on a busy engine of a node while one more of its engines

@@ -155,14 +155,16 @@ class HoldIndex(ChainIndex):
         that turn's conversation (or repeats the turn), whatever its reply's tokens came back as. A reply
         re-tokenized from its text can differ from the tokens the model generated ("of" + "a" comes back as "ofa"),
         and then no hold matches the query, though the conversation goes on. Holds past their offer time no longer
-        count. One dict probe per block of the query, from its deepest."""
+        count. A prompt end lies on its hold's chain, so only the query's blocks that some hold covers are probed,
+        from the deepest (found by bisection: every replica's holds are closed under "parent of")."""
         ends = self._prompt_ends
         if ends and self._expiry and self._clock() >= self._expiry[0][0] - self.expiry_margin_s:
             self._purge_expired()
         if not ends:
             return False
         hashes = key.hashes
-        return any(hashes[(d - 1) * H : d * H] in ends for d in range(len(hashes) // H, 0, -1))
+        held = self._deepest(hashes, len(hashes) // H, -1)  # bit -1: held by any replica
+        return any(hashes[(d - 1) * H : d * H] in ends for d in range(held, 0, -1))
 
     # ----- offers (for `KVDirectory.lookup`)
 
