@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 CALIBRATION_TENANT = "kvrelay-calibration"
 # One greedy token: a turn that measures its prefill (and its pull), not decoding.
 ONE_TOKEN = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+# Prefills timed beside a busy engine (`contention`): long enough that the slowdown, not fixed costs, shows.
+CONTENTION_LENGTHS = (256, 512, 1024)
+# How long after the busy engine's turn is sent the measured prefills start (its 64-token prefill is done by then).
+CONTENTION_START_S = 0.5
 
 
 class TurnResultLike(Protocol):
@@ -76,7 +80,8 @@ async def calibrate(
             else:
                 await turn([rng.randrange(100, vocab) for _ in range(n)], ("recompute", ids[0]))
         if len(ids) > 1 and max_model_len >= 512:
-            await contention(run_turn, ids[0], ids[1], rng, vocab, [n for n in lengths if n <= 1024])
+            await contention(run_turn, ids[0], ids[1], rng, vocab,
+                             [n for n in CONTENTION_LENGTHS if n + 64 < max_model_len])
         logger.info("cost model calibrated on %s: %s", ids, cost.snapshot())
     except Exception:  # calibration only sharpens the priors; serving must not depend on it
         logger.exception("cost model calibration failed; keeping the priors")
@@ -84,15 +89,23 @@ async def calibrate(
 
 async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Random, vocab: int,
                      lengths: list[int]) -> None:
-    """Time prefills on `measured` while `busy` works on a long turn: if the two engines share a node, the turn
+    """Time prefills on `measured` while `busy` decodes a long turn: if the two engines share a node, the turn
     path sees a busy peer and those prefills teach the cost model its slowdown per busy peer (else they are solo
-    samples). 256 decode steps keep `busy` working longer than the measured prefills take."""
+    samples). Each length twice, once `busy` is decoding; 256 decode steps keep it working longer than the
+    measured prefills take.
+
+    They are most of what the slowdown fit ever learns: a turn of real traffic teaches it only if it had its own
+    engine to itself while another was busy, a few per benchmark run. Three prefills timed 50 ms after the
+    background turn was sent (one of 64 tokens, mostly fixed cost) measured 0.12-0.14 on this machine, where the
+    same prefills timed while the other engine decoded measure 1.23x slower end to end and teach the fit 0.35
+    (a scratch probe, 2026-11-27), and two engines serving at once each run 1.29x slower (scaling.json)."""
     background = asyncio.ensure_future(run_turn(
         [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
         ("recompute", busy), tenant=CALIBRATION_TENANT))
     try:
-        await asyncio.sleep(0.05)  # the background turn is in flight (the runner counts it) before any is planned
-        for n in lengths:
+        # The background turn is in flight (the runner counts it) and past its short prefill, decoding.
+        await asyncio.sleep(CONTENTION_START_S)
+        for n in lengths * 2:
             await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
                            tenant=CALIBRATION_TENANT)
     finally:

@@ -175,6 +175,7 @@ class CostModel:
         # Per replica: recent measured / fleet-estimated prefill ratios, and their median once there are enough.
         self._speed_ratios: dict[str, deque[float]] = {}
         self._speed: dict[str, float] = {}
+        self._typical_speed = 1.0  # the median of `_speed`
 
     # ---------------------------------------------------------------- estimates (pure)
 
@@ -194,9 +195,15 @@ class CostModel:
 
     def speed_factor(self, replica_id: str | None) -> float:
         """How much longer than the fleet's fit a replica's prefills take: its recent median measured / estimated
-        over prefills of at least MIN_SPEED_TOKENS, once it has MIN_SPEED_SAMPLES. Replicas differ (a slower core,
-        a noisy neighbour, another GPU), and one can slow down mid-run."""
-        return self._speed.get(replica_id, 1.0) if replica_id is not None else 1.0
+        over solo prefills of at least MIN_SPEED_TOKENS, once it has MIN_SPEED_SAMPLES. Replicas differ (a slower
+        core, a noisy neighbour, another GPU), and one can slow down mid-run. A replica without that many yet (one
+        that mostly works beside a busy engine) runs as the measured ones do, their median: the fit is off for all
+        of them alike (every quick multi-turn run of 2026-11-27 measured the busier replica at 0.79-0.89 of it),
+        and taking it at face value for the other replica made that one's contended prefills look less slowed
+        down than they were. None: the fit itself."""
+        if replica_id is None:
+            return 1.0
+        return self._speed.get(replica_id, self._typical_speed)
 
     def set_nodes(self, node_of: dict[str, str]) -> None:
         """Which node each live replica runs on (mutates; keeps the caller's dict): contention is learned and priced
@@ -274,18 +281,26 @@ class CostModel:
     def observe_prefill(
         self, new_tokens: int, context_tokens: int, ms: float, busy_peers: int = 0, replica_id: str | None = None
     ) -> None:
-        """A prefill that had its engine to itself, on `replica_id`: it teaches the fleet's fit (or, if peers were
-        busy, the slowdown) and that replica's speed relative to the fit. The fit then describes the fleet's mix,
-        and fit x factor each replica, whatever the mix."""
+        """A prefill that had its engine to itself, on `replica_id`: with no busy peer beside it, it teaches the
+        fleet's fit and that replica's speed relative to the fit (the fit then describes the fleet's mix, and fit x
+        factor each replica, whatever the mix); with busy peers, the slowdown, against that replica's solo speed.
+
+        A replica's speed is learned from its solo prefills only. Learned from all of them (a contended one
+        measured against the fit x the current slowdown), the speed of a replica that mostly works beside a busy
+        one absorbed the slowdown the fit had not yet learned, and its contended prefills then measured none: the
+        two held each other at the first guess (a quick multi-turn run: slowdown 0.09 per busy peer and the quieter
+        replica 13% "slower" than the busier one, on two cores that compute alike, benchmarks/results/two_cores.json,
+        where two engines each working measure 1.29x slower, scaling.json)."""
         if new_tokens <= 0 or ms <= 0:
             return
-        fleet = self.recompute_ms(new_tokens, context_tokens, busy_peers)
+        fleet = self.recompute_ms(new_tokens, context_tokens)
         # Short prefills measure the fit's error at small lengths (overheads), not the replica's speed.
-        if replica_id is not None and fleet > 0 and new_tokens >= self.MIN_SPEED_TOKENS:
+        if busy_peers <= 0 and replica_id is not None and fleet > 0 and new_tokens >= self.MIN_SPEED_TOKENS:
             ratios = self._speed_ratios.setdefault(replica_id, deque(maxlen=32))
             ratios.append(ms / fleet)
             if len(ratios) >= self.MIN_SPEED_SAMPLES:
                 self._speed[replica_id] = float(np.median(ratios))
+                self._typical_speed = statistics.median(self._speed.values())
         if busy_peers <= 0:
             self.prefill.observe(_prefill_features(new_tokens, context_tokens), ms)
             return

@@ -529,3 +529,45 @@ def test_a_replica_measured_slower_than_the_rest_is_estimated_slower():
     for _ in range(10):
         cost.observe_prefill(20, 0, 10 * cost.recompute_ms(20), replica_id="fast")
     assert cost.snapshot()["replica_speed"]["fast"] == speeds["fast"]
+
+
+def test_a_replica_that_works_beside_a_busy_one_teaches_the_slowdown_not_a_slower_speed():
+    truth = calibrated(prefill_ms_per_token=0.3)
+    # "b" only ever works while another engine is busy, and beside it takes 1.3x as long as alone. The start-up
+    # calibration's contended prefills had measured no slowdown (its busy engine was barely working).
+    cost = calibrated(prefill_ms_per_token=0.3)
+    for n in (64, 256, 1024):
+        cost.observe_prefill(n, 0, truth.recompute_ms(n), busy_peers=1, replica_id="a")
+    for _ in range(12):
+        for n in (200, 300, 400, 500, 600, 700):
+            cost.observe_prefill(n, 0, 1.3 * truth.recompute_ms(n), busy_peers=1, replica_id="b")
+    assert cost.slowdown(1) == pytest.approx(1.3, rel=0.03)
+    # It has never run alone: nothing says it is slower than the fleet.
+    assert cost.speed_factor("b") == 1.0
+    assert cost.recompute_ms(1000, busy_peers=1, replica_id="b") == pytest.approx(1.3 * truth.recompute_ms(1000),
+                                                                                rel=0.05)
+    # "c" is 1.2x slower than the fleet alone, and 1.3x that beside a busy engine: both are learned.
+    cost = calibrated(prefill_ms_per_token=0.3)
+    for _ in range(4):
+        for n in (200, 300, 400, 500, 600, 700):
+            cost.observe_prefill(n, 0, truth.recompute_ms(n), replica_id="a")
+            cost.observe_prefill(n, 0, 1.2 * truth.recompute_ms(n), replica_id="c")
+            cost.observe_prefill(n, 0, 1.2 * 1.3 * truth.recompute_ms(n), busy_peers=1, replica_id="c")
+    assert cost.slowdown(1) == pytest.approx(1.3, rel=0.05)
+    assert cost.recompute_ms(1000, replica_id="c") == pytest.approx(1.2 * truth.recompute_ms(1000), rel=0.1)
+    # "d" has measured itself alone at 0.8 of the start-up fit, and the fit has moved only part of the way (its
+    # window still holds the start-up samples): "d" is faster than the fit. "e" has only worked beside a busy
+    # engine, 1.3x slower than "d" alone: it is taken to run like "d" alone, and its prefills teach the 0.3.
+    cost = calibrated(prefill_ms_per_token=0.3)
+    for _ in range(5):
+        for n in (64, 256, 1024, 2048):
+            cost.observe_prefill(n, 0, truth.recompute_ms(n))
+    for n in (200, 300, 400, 500, 600, 700):
+        cost.observe_prefill(n, 0, 0.8 * truth.recompute_ms(n), replica_id="d")
+    assert cost.speed_factor("d") < 0.9
+    for _ in range(12):
+        for n in (200, 300, 400, 500, 600, 700):
+            cost.observe_prefill(n, 0, 1.3 * 0.8 * truth.recompute_ms(n), busy_peers=1, replica_id="e")
+    assert cost.speed_factor("e") == cost.speed_factor("d")
+    # (Taken at the fit's face value, "e" would teach 0.11.)
+    assert cost.slowdown(1) == pytest.approx(1.3, rel=0.1)
