@@ -96,9 +96,10 @@ async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Ra
 
     They are most of what the slowdown fit ever learns: a turn of real traffic teaches it only if it had its own
     engine to itself while another was busy, a few per benchmark run. Three prefills timed 50 ms after the
-    background turn was sent (one of 64 tokens, mostly fixed cost) measured 0.12-0.14 on this machine, where the
-    same prefills timed while the other engine decoded measure 1.23x slower end to end and teach the fit 0.35
-    (a scratch probe, 2026-11-27), and two engines serving at once each run 1.29x slower (scaling.json)."""
+    background turn was sent (one of 64 tokens, mostly fixed cost) measured 0.12-0.14 on this machine, where
+    prefills timed while the other engine decodes take 1.13-1.30x as long end to end and teach the fit 0.33
+    (`benchmarks.contention`, contention.json), and two engines serving at once each run 1.29x slower
+    (scaling.json). Timed this way: 0.08-0.26 in five apps."""
     background = asyncio.ensure_future(run_turn(
         [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
         ("recompute", busy), tenant=CALIBRATION_TENANT))

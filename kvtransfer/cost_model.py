@@ -198,7 +198,7 @@ class CostModel:
         over solo prefills of at least MIN_SPEED_TOKENS, once it has MIN_SPEED_SAMPLES. Replicas differ (a slower
         core, a noisy neighbour, another GPU), and one can slow down mid-run. A replica without that many yet (one
         that mostly works beside a busy engine) runs as the measured ones do, their median: the fit is off for all
-        of them alike (every quick multi-turn run of 2026-11-27 measured the busier replica at 0.79-0.89 of it),
+        of them alike (every quick multi-turn run of 2026-11-27 measured the busier replica at 0.79-0.93 of it),
         and taking it at face value for the other replica made that one's contended prefills look less slowed
         down than they were. None: the fit itself."""
         if replica_id is None:
