@@ -32,6 +32,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from actors.directory_mirror import DirectoryMirror
 from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats
+from app.recent_prompts import RecentPrompts
 from app.responses import caused_by
 from configs.app import Policy
 from kvtransfer.connector import is_load_failure
@@ -264,6 +265,7 @@ class TurnRunner:
         self.counters: Counter = Counter()
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
+        self.recent_prompts = RecentPrompts(block_size)
         self._background: set[asyncio.Task] = set()  # work after turns, in flight (asyncio keeps weak refs only)
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
         # (puller, holder) replica pairs whose NIXL agents have met (a pull between them succeeded).
@@ -288,8 +290,10 @@ class TurnRunner:
             # the next turn (the last stage's hold: in P/D the decode's, which only pulling policies keep) can a
             # continuation be told from a new prompt sharing a prefix. Not by a hold matching the prompt: the reply
             # comes back re-tokenized from its text, and in up to a quarter of the benchmark's continuing turns
-            # its tokens differed from the generated ones.
-            self.cost.observe_turn(self.directory.continues(key))
+            # its tokens differed from the generated ones. Nor only by a pending hold: after a pause longer than the
+            # hold's lease, by where this ingress's recent prompts ended.
+            self.cost.observe_turn(self.directory.continues(key) or self.recent_prompts.continues(key))
+            self.recent_prompts.add(key)
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)
         views = with_busy_peers([self.inflight.view(r) for r in replicas], node_of)

@@ -1,0 +1,63 @@
+"""Where the prompts of an ingress's recent turns ended: whether a new turn continues a conversation after its
+hold has expired.
+
+The planner prices a placement for the later turns its conversation will bring, from the share of turns that
+continue one (`CostModel.expected_future_turns`). The KV directory answers "continues" from pending holds
+(`KVDirectory.continues`), and a hold lasts its lease (10 s by default). Users who think longer than that between
+turns left no hold, so every later turn counted as a new conversation: the think-time workload (12 s between turns)
+ended with 0.0 later turns expected (benchmarks/results/multi_turn_think_time_stop32.json). This keeps, per turn,
+the hash of its prompt's last full block before the prompt's last token (a chat template may render that token
+together with the reply that follows) for `ttl_s`, bounded in count; a later prompt that contains it as one of its
+blocks starts with that whole prompt. Block hashes are chained and scoped to the tenant, so a new conversation
+sharing only a system prompt, or another tenant's, never matches. Not thread-safe; the ingress's event loop only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from actors.prefix_hash import BlockHash, PrefixKey
+
+# Long enough for a person to read a reply and write the next message; conversations idle for longer count as new.
+RECENT_PROMPT_TTL_S = 600.0
+# At most this many prompt ends are kept (about 130 bytes each), the oldest dropped first.
+MAX_RECENT_PROMPTS = 50_000
+
+
+class RecentPrompts:
+    def __init__(self, block_size: int, ttl_s: float = RECENT_PROMPT_TTL_S, max_entries: int = MAX_RECENT_PROMPTS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_size = block_size
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._ends: OrderedDict[BlockHash, float] = OrderedDict()  # prompt end -> when it expires, oldest first
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def add(self, prompt: PrefixKey) -> None:
+        """Remember where `prompt` (a turn's whole prompt) ends; not if its tokens before the last fill no block."""
+        blocks = min(prompt.num_full_blocks, (prompt.num_tokens - 1) // self.block_size)
+        if blocks <= 0:
+            return
+        end = prompt.block_hash(blocks - 1)
+        self._ends[end] = self._clock() + self.ttl_s
+        self._ends.move_to_end(end)
+        while len(self._ends) > self.max_entries:
+            self._ends.popitem(last=False)
+
+    def continues(self, key: PrefixKey) -> bool:
+        """Whether `key` starts with the whole prompt of a turn remembered here (probes each of its full blocks)."""
+        ends = self._ends
+        now = self._clock()
+        while ends:
+            oldest, expires = next(iter(ends.items()))
+            if expires > now:
+                break
+            del ends[oldest]
+        if not ends:
+            return False
+        return any(key.block_hash(d) in ends for d in range(key.num_full_blocks - 1, -1, -1))
