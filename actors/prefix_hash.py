@@ -113,6 +113,13 @@ class PrefixKey(NamedTuple):
         """The hash of the prefix ending with full block `index` (0-based)."""
         return self.hashes[index * HASH_BYTES : (index + 1) * HASH_BYTES]
 
+    def prompt_end(self, prompt_tokens: int) -> BlockHash | None:
+        """Where a turn whose prompt is this key's first `prompt_tokens` tokens ends, as the next turn will see it: the
+        hash of its last full block before the prompt's last token (a chat template may render that token together
+        with the reply that follows it, so only the blocks before it are sure to come back); None if there is none."""
+        blocks = min(self.num_full_blocks, (prompt_tokens - 1) // self.block_size) if prompt_tokens > 0 else 0
+        return self.block_hash(blocks - 1) if blocks > 0 else None
+
     @property
     def block_hashes(self) -> tuple[BlockHash, ...]:
         """All block hashes, split (allocates; hot paths use `block_hash`)."""

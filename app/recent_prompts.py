@@ -6,10 +6,10 @@ continue one (`CostModel.expected_future_turns`). The KV directory answers "cont
 (`KVDirectory.continues`), and a hold lasts its lease (10 s by default). Users who think longer than that between
 turns left no hold, so every later turn counted as a new conversation: the think-time workload (12 s between turns)
 ended with 0.0 later turns expected (benchmarks/results/multi_turn_think_time_stop32.json). This keeps, per turn,
-the hash of its prompt's last full block before the prompt's last token (a chat template may render that token
-together with the reply that follows) for `ttl_s`, bounded in count; a later prompt that contains it as one of its
-blocks starts with that whole prompt. Block hashes are chained and scoped to the tenant, so a new conversation
-sharing only a system prompt, or another tenant's, never matches. Not thread-safe; the ingress's event loop only.
+where its prompt ends as the next turn will see it (`PrefixKey.prompt_end`, as the directory records per hold) for
+`ttl_s`, bounded in count; a later prompt that contains it as one of its blocks starts with that whole prompt.
+Block hashes are chained and scoped to the tenant, so a new conversation sharing only a system prompt, or another
+tenant's, never matches. Not thread-safe; the ingress's event loop only.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ MAX_RECENT_PROMPTS = 50_000
 
 
 class RecentPrompts:
-    def __init__(self, block_size: int, ttl_s: float = RECENT_PROMPT_TTL_S, max_entries: int = MAX_RECENT_PROMPTS,
+    def __init__(self, ttl_s: float = RECENT_PROMPT_TTL_S, max_entries: int = MAX_RECENT_PROMPTS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.block_size = block_size
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
@@ -40,10 +39,9 @@ class RecentPrompts:
 
     def add(self, prompt: PrefixKey) -> None:
         """Remember where `prompt` (a turn's whole prompt) ends; not if its tokens before the last fill no block."""
-        blocks = min(prompt.num_full_blocks, (prompt.num_tokens - 1) // self.block_size)
-        if blocks <= 0:
+        end = prompt.prompt_end(prompt.num_tokens)
+        if end is None:
             return
-        end = prompt.block_hash(blocks - 1)
         self._ends[end] = self._clock() + self.ttl_s
         self._ends.move_to_end(end)
         while len(self._ends) > self.max_entries:

@@ -265,7 +265,7 @@ class TurnRunner:
         self.counters: Counter = Counter()
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
-        self.recent_prompts = RecentPrompts(block_size)
+        self.recent_prompts = RecentPrompts()
         self._background: set[asyncio.Task] = set()  # work after turns, in flight (asyncio keeps weak refs only)
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
         # (puller, holder) replica pairs whose NIXL agents have met (a pull between them succeeded).

@@ -15,7 +15,7 @@ def key(tokens: list[int], scope: Scope = TENANT) -> PrefixKey:
 
 def test_a_turn_that_starts_with_an_earlier_prompt_continues_it_until_the_memory_expires():
     now = [0.0]
-    recent = RecentPrompts(BLOCK, ttl_s=600, clock=lambda: now[0])
+    recent = RecentPrompts(ttl_s=600, clock=lambda: now[0])
     system = list(range(1000, 1200))  # a 200-token system prompt every conversation shares
     first = system + list(range(5000, 5700))
     recent.add(key(first))
@@ -36,14 +36,14 @@ def test_a_turn_that_starts_with_an_earlier_prompt_continues_it_until_the_memory
 
 
 def test_the_memory_is_bounded_and_drops_the_oldest_prompts_first():
-    recent = RecentPrompts(BLOCK, max_entries=3, clock=lambda: 0.0)
+    recent = RecentPrompts(max_entries=3, clock=lambda: 0.0)
     prompts = [list(range(i * 1000, i * 1000 + 100)) for i in range(5)]
     for p in prompts:
         recent.add(key(p))
     assert len(recent) == 3
     assert [recent.continues(key(p + [1, 2, 3])) for p in prompts] == [False, False, True, True, True]
     # A prompt whose tokens before its last do not fill a block marks nothing.
-    short = RecentPrompts(BLOCK, clock=lambda: 0.0)
+    short = RecentPrompts(clock=lambda: 0.0)
     short.add(key(list(range(16))))
     assert len(short) == 0
     short.add(key(list(range(17))))

@@ -61,10 +61,7 @@ class HoldIndex(ChainIndex):
         self._next_chain_id += 1
         tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
         end = key.block_hash(full - 1)
-        # The prompt's full blocks before its last token: a chat template may render that token together with the
-        # reply that follows it (a newline), so only the blocks before it are sure to come back in the next turn.
-        prompt_blocks = min(full, (prompt_tokens - 1) // self.block_size) if prompt_tokens > 0 else 0
-        prompt_end = key.block_hash(prompt_blocks - 1) if prompt_blocks else None
+        prompt_end = key.prompt_end(min(prompt_tokens, full * self.block_size + 1))  # within the hold's full blocks
         nbytes = HOLD_BYTES + alloc(tail) + deep_size(hold) + (PROMPT_END_BYTES if prompt_end is not None else 0)
         record = HoldRecord(hold_id, rep.index, end, num_tokens, tail, hold, expires_at, nbytes, prompt_end)
         if prompt_end is not None:
