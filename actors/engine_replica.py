@@ -36,7 +36,14 @@ from actors.replica_api import (
     ReplicaIdentity,
     ReplicaStats,
 )
-from actors.vllm_engine import HoldStepper, check_platform_limits, engine_process_ids, quiet_holds, start_engine
+from actors.vllm_engine import (
+    HoldStepper,
+    check_platform_limits,
+    engine_process_ids,
+    lower_engine_priority,
+    quiet_holds,
+    start_engine,
+)
 from configs.engine import EngineConfig
 from kvtransfer.connector import LOAD_FAILED, export_params
 from kvtransfer.types import Hold
@@ -126,6 +133,8 @@ class EngineReplica:
         self.load = EngineStats()
         self.engine = start_engine(self.config, self.model_path, self.site, device_type, self.load.stat_logger)
         self.engine_pids = engine_process_ids(self.engine)
+        if current_platform.is_cpu():  # the engine processes compute the model: the request path goes first
+            lower_engine_priority(self.engine_pids, self.config.engine_nice)
         # kvrelay's connector reads this engine's own holds by copying blocks in host memory (throttled_nixl.py).
         self._reads_own_holds = device_type == "cpu"
         self._hold_stepper = None

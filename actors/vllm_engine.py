@@ -8,6 +8,7 @@ vLLM is imported only inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,6 +91,42 @@ def engine_process_ids(engine: Any) -> list[int]:
     """Pids of the engine-core processes vLLM started for this AsyncLLM (their own children not included)."""
     manager = getattr(getattr(engine.engine_core, "resources", None), "engine_manager", None)
     return [p.pid for p in getattr(manager, "processes", ()) if p.pid is not None]
+
+
+def lower_engine_priority(pids: list[int], nice: int) -> list[int]:
+    """Give every thread of the engine processes `pids` at least the nice value `nice` (a lower CPU priority: any
+    process may lower its children's); returns the thread ids set. Linux keeps a nice value per thread and a new
+    thread starts with its creator's, so threads the engine starts later inherit it."""
+    if nice <= 0:
+        return []
+    done = []
+    for pid in _with_descendants(pids):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # no /proc (not Linux) or the process is gone
+            continue
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                done.append(tid)
+            except OSError:  # the thread ended meanwhile
+                continue
+    return done
+
+
+def _with_descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process they started (a separate worker process is the engine core's child)."""
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                todo += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+        except OSError:
+            continue
+    return out
 
 
 class HoldStepper:

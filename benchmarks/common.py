@@ -17,8 +17,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def loopback_ray_env() -> None:
     """Ray binds 127.0.0.1, writes no token file, reports nothing; vLLM stays offline; Serve exports its cached
-    metrics once a second, as `make serve` runs it (Makefile, SERVE_ENV). Call before importing ray."""
+    metrics once a second and the request path runs at the default CPU priority, above the engines, as `make serve`
+    runs them (Makefile, SERVE_ENV). Call before importing ray."""
     os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")
+    os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"

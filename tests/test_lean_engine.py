@@ -21,7 +21,7 @@ import pytest
 
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, Sampling
-from actors.vllm_engine import HoldStepper
+from actors.vllm_engine import HoldStepper, lower_engine_priority
 from configs.engine import EngineConfig
 from tests.conftest import REPO_ROOT, collect
 
@@ -74,6 +74,44 @@ def test_the_model_thread_stays_on_the_replica_core(loop_thread, replica):
     engine_core = vllm_processes(replica)["engine_core"][0]
     run(loop_thread, replica, list(range(100, 164)), 2, export_hold=False)
     assert set(psutil.Process(engine_core.pid).cpu_affinity()) == set(replica.cpu_cores)
+
+
+def nice_of(pid: int, tid: int) -> int:
+    """A thread's nice value, from /proc (field 19 of its stat line, counted after the command name)."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+def test_the_engine_computes_at_a_lower_priority_than_the_request_path(loop_thread, replica):
+    """Two engines on two cores leave the request path (ingress, Serve, this replica's own loop) no core of its own:
+    at equal priority its work waited for the models' time slices. Every engine thread, including those started
+    after the engine (a request has run), has the configured nice value; this replica's process keeps its own."""
+    run(loop_thread, replica, list(range(100, 164)), 2, export_hold=True)
+    engine_core = replica.engine_pids[0]
+    threads = [int(t) for t in os.listdir(f"/proc/{engine_core}/task")]
+    assert replica.config.engine_nice == 19
+    assert {tid: nice_of(engine_core, tid) for tid in threads} == {tid: 19 for tid in threads}
+    own = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
+    assert max(nice_of(os.getpid(), tid) for tid in own) < 19
+
+
+def test_an_engines_worker_process_gets_the_same_priority():
+    """With `separate_worker_process` the model runs in the engine core's child: it is lowered too."""
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+            "time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", child])
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (worker,) = psutil.Process(parent.pid).children()
+        lower_engine_priority([parent.pid], 7)
+        assert nice_of(parent.pid, parent.pid) == 7
+        assert nice_of(worker.pid, worker.pid) == 7
+    finally:
+        for proc in psutil.Process(parent.pid).children() + [psutil.Process(parent.pid)]:
+            proc.kill()
+        parent.wait()
 
 
 def test_the_engine_process_hands_free_heap_pages_back(replica):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+import psutil
 import pytest
 
 from benchmarks.common import free_port, free_port_range
@@ -108,6 +109,23 @@ def test_json_mode_returns_parseable_json(served):
         messages=[{"role": "user", "content": 'What is the capital of France? Answer only {"answer": "<city>"}'}])
     assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_the_engines_compute_below_the_request_path(served):
+    """On CPU `make serve` runs Ray's workers (the ingress, Serve's proxy and replicas) at nice 0 and the engine
+    processes at 19, so the request path's work runs before the models' (README, "What a replica costs")."""
+    mine = [p for p in psutil.process_iter(["name", "nice"]) if _session_of(p.pid) == served.proc.pid]
+    engines = [p.info["nice"] for p in mine if p.info["name"].startswith("VLLM::EngineCor")]
+    serve = [p.info["nice"] for p in mine if p.info["name"].startswith(("ray::ServeRepli", "ray::ProxyActor"))]
+    assert engines == [19, 19]
+    assert serve and set(serve) == {0}
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def listening_addresses(port: int) -> set[str]:
