@@ -23,19 +23,10 @@ ONE_TOKEN = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 CONTENTION_LENGTHS = (256, 512, 1024)
 # How long after the busy engine's turn is sent the measured prefills start (its 64-token prefill is done by then).
 CONTENTION_START_S = 0.5
-# Histories timed once the fits have learned (`validate`): a recompute of each, then two turns continuing it.
-VALIDATION_LENGTHS = (128, 256, 512, 1024)
-VALIDATION_NEW_TOKENS = 32
-
-
-class UsageLike(Protocol):
-    cached_tokens: int
 
 
 class TurnResultLike(Protocol):
     token_ids: list[int]
-    ttft_ms: float | None
-    usage: UsageLike
 
 
 # Runs one turn: (token ids, sampling, (mode, replica) to force, tenant) -> its result (the ingress's `turn`).
@@ -50,8 +41,7 @@ async def calibrate(
     vocab: int,
     max_model_len: int,
 ) -> None:
-    """Wait for `wanted` replicas of the prefill pool, then time recomputes and pulls of a few lengths on them, then
-    turns that tell the estimate error what the calibrated fits leave out (`validate`).
+    """Wait for `wanted` replicas of the prefill pool, then time recomputes and pulls of a few lengths on them.
 
     `run_turn(token_ids, sampling, force, tenant=...)` runs one forced turn through the turn path, which feeds
     its timings to `cost`; `prefill_replicas()` lists the live replicas turns may start on.
@@ -92,11 +82,6 @@ async def calibrate(
         if len(ids) > 1 and max_model_len >= 512:
             await contention(run_turn, ids[0], ids[1], rng, vocab,
                              [n for n in CONTENTION_LENGTHS if n + 64 < max_model_len])
-        try:
-            await validate(run_turn, ids[0], cost, rng, vocab,
-                           [n for n in VALIDATION_LENGTHS if n + 3 * VALIDATION_NEW_TOKENS < max_model_len])
-        except Exception as exc:  # the fits are calibrated; estimate errors are then learned from real turns only
-            logger.warning("cost model validation turns failed (%r); the fits stay calibrated", exc)
         logger.info("cost model calibrated on %s: %s", ids, cost.snapshot())
     except Exception:  # calibration only sharpens the priors; serving must not depend on it
         logger.exception("cost model calibration failed; keeping the priors")
@@ -126,38 +111,3 @@ async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Ra
                            tenant=CALIBRATION_TENANT)
     finally:
         await background
-
-
-async def validate(run_turn: RunTurn, replica: str, cost: CostModel, rng: random.Random, vocab: int,
-                   lengths: list[int]) -> None:
-    """Time turns on an idle `replica` against the fits the calibration has taught, and teach `cost.error` how far
-    off they are: a recompute of each length, then two turns continuing it by VALIDATION_NEW_TOKENS (local: all but
-    those tokens are cached there), each estimated before it runs, as the planner estimates an idle replica.
-
-    The fits time the engine's prefill; a turn's first token also waits for what they leave out (Serve's hops, the
-    replica's and the engine's scheduling), about 20 ms a turn on this machine: a lone conversation's local turns
-    were estimated at 78 ms and took 95-101 (`benchmarks.lone_conversation`). `EstimateError` corrects for it once a
-    kind has 8 samples, which a fresh app reached only after 8 real turns; these 12 give the local kind and the
-    median over all kinds their first samples. A continuing turn that reused other than its history (give or take the
-    token whose KV the previous turn never computed; the engine says) is not counted: its estimate was for another
-    turn."""
-    def new_tokens(n: int) -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(n)]
-
-    for n in lengths:
-        prompt = new_tokens(n)
-        estimate = cost.recompute_ms(n, 0, 0, replica)
-        result = await run_turn(prompt, ONE_TOKEN, ("recompute", replica), tenant=CALIBRATION_TENANT)
-        if result.ttft_ms is not None:
-            cost.error.observe("recompute", 0, estimate, result.ttft_ms)
-        for _ in range(2):
-            history = len(prompt) + len(result.token_ids)
-            prompt = prompt + list(result.token_ids) + new_tokens(VALIDATION_NEW_TOKENS)
-            estimate = cost.recompute_ms(VALIDATION_NEW_TOKENS, history, 0, replica)
-            try:
-                result = await run_turn(prompt, ONE_TOKEN, ("local", replica), tenant=CALIBRATION_TENANT)
-            except ValueError:  # the directory does not know the history is there yet: no local option
-                logger.debug("calibration: no local option for a %d-token history on %s", history, replica)
-                break
-            if result.ttft_ms is not None and abs(result.usage.cached_tokens - history) <= 1:
-                cost.error.observe("local", 0, estimate, result.ttft_ms)
