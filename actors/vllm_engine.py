@@ -93,40 +93,34 @@ def engine_process_ids(engine: Any) -> list[int]:
     return [p.pid for p in getattr(manager, "processes", ()) if p.pid is not None]
 
 
-def lower_engine_priority(pids: list[int], nice: int) -> list[int]:
-    """Give every thread of the engine processes `pids` at least the nice value `nice` (a lower CPU priority: any
-    process may lower its children's); returns the thread ids set. Linux keeps a nice value per thread and a new
-    thread starts with its creator's, so threads the engine starts later inherit it."""
+def lower_engine_priority(pids: list[int], nice: int) -> None:
+    """Give every thread of the engine processes `pids` (and of their children) at least the nice value `nice` (a
+    lower CPU priority: any process may lower its children's). Linux keeps a nice value per thread and a new thread
+    starts with its creator's, so threads the engine starts later inherit it."""
     if nice <= 0:
-        return []
-    done = []
-    for pid in _with_descendants(pids):
+        return
+    for tid in engine_threads(pids):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:  # no /proc (not Linux) or the process is gone
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # the thread ended meanwhile
             continue
-        for tid in tids:
-            try:
-                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
-                done.append(tid)
-            except OSError:  # the thread ended meanwhile
-                continue
-    return done
 
 
-def _with_descendants(pids: list[int]) -> list[int]:
-    """`pids` and every process they started (a separate worker process is the engine core's child)."""
-    out, todo = [], list(pids)
+def engine_threads(pids: list[int]) -> list[int]:
+    """The thread ids of the processes `pids` and of every process they started (a separate worker process is the
+    engine core's child); none where there is no /proc or a process is gone."""
+    threads, todo = [], list(pids)
     while todo:
         pid = todo.pop()
-        out.append(pid)
         try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                todo += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            for tid in tids:
+                todo += [int(c) for c in open(f"/proc/{pid}/task/{tid}/children").read().split()]
         except OSError:
             continue
-    return out
+        threads += tids
+    return threads
 
 
 class HoldStepper:

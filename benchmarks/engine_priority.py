@@ -29,6 +29,7 @@ import httpx
 import psutil
 
 from actors.replica_api import Sampling
+from actors.vllm_engine import engine_threads
 from benchmarks.common import start_app, stop_app
 
 PAIRS_PER_BLOCK = 10
@@ -36,13 +37,12 @@ STREAMS_PER_ENGINE = 2
 
 
 def set_nice(pids: list[int], nice: int) -> None:
-    """Every thread of the engine processes `pids` at `nice`."""
-    for pid in pids:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-            except ProcessLookupError:
-                continue
+    """Every thread of the engine processes `pids` at `nice`, up or down."""
+    for tid in engine_threads(pids):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            continue
 
 
 def summary(values: list[float]) -> dict[str, float]:
