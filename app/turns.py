@@ -167,6 +167,9 @@ class InFlight:
         self._requests.setdefault(replica_id, {})[request_id] = [now, None, new_tokens]
         self._arrivals.setdefault(replica_id, deque()).append(now)
 
+    def now(self) -> float:
+        return self._clock()
+
     def arrival_rate(self, replica_id: str) -> float:
         """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S."""
         arrivals = self._arrivals.get(replica_id)
@@ -175,6 +178,21 @@ class InFlight:
         while arrivals and arrivals[0] < self._clock() - self.RATE_WINDOW_S:
             arrivals.popleft()
         return len(arrivals) / self.RATE_WINDOW_S
+
+    def busy_share(self, replica_id: str, since: float, until: float) -> float:
+        """The share of [since, until] (this clock) during which this ingress had a request in flight on the
+        replica; ended requests are kept RETAIN_S, so `since` should be more recent than that."""
+        if until <= since:
+            return 0.0
+        spans = sorted((max(start, since), min(until, ended if ended is not None else until))
+                       for start, ended, _ in self._requests.get(replica_id, {}).values())
+        covered, reached = 0.0, since
+        for start, end in spans:
+            start = max(start, reached)
+            if end > start:
+                covered += end - start
+                reached = end
+        return covered / (until - since)
 
     def moved(self, from_replica: str, to_replica: str, request_id: str) -> None:
         """The request runs on `to_replica`, not where it was accounted (Serve chose: a P/D decode stage, or a
@@ -454,6 +472,8 @@ class TurnRunner:
         # answers: that replica's heartbeats then count this request as this ingress's own, ended when it ends.
         where = plan.replica_id
         self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
+        sent_at = self.inflight.now()
+        busy_peers = 0.0  # other engines of its node busy until its first token, each for its share of that time
         if outcome.engine_called_at is None:
             outcome.engine_called_at = time.perf_counter()
         stream = self._generate(engines).remote(request)
@@ -477,6 +497,7 @@ class TurnRunner:
                     return
                 if delta.token_ids and not output:
                     self.inflight.first_token(where, request.request_id)
+                    busy_peers = self._busy_peers_since(where, sent_at)
                     if outcome.ttft_ms is None:
                         outcome.ttft_ms = (time.monotonic() - started) * 1e3
                     if prefills and plan.superseded:
@@ -493,7 +514,7 @@ class TurnRunner:
                         self._record_hold(turn, turn.token_ids + output, delta)
                     if prefills:
                         self._after_response(self._learn(plan, request.pull is not None and plan.mode is Mode.PULL,
-                                                         delta))
+                                                         delta, busy_peers))
                     # The engine has said all it will: answer now. The end of Serve's stream (the replica's generator
                     # returning, gRPC's trailer: 2-3 ms here) is awaited after the response.
                     self._after_response(drained(stream, request.request_id))
@@ -552,14 +573,26 @@ class TurnRunner:
             self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s,
                                        at_actor_after_s=AFTER_RESPONSE_S, prompt_tokens=len(turn.token_ids))
 
-    async def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta) -> None:
-        """Teach the cost model this request's prefill (and pull) time, if it had its engine to itself."""
+    def _busy_peers_since(self, replica_id: str, since: float) -> float:
+        """How many other engines of `replica_id`'s node were busy from `since` until now, each counted for the
+        share of that time it had a request of this ingress in flight (others' requests are not seen here)."""
+        node_of = {r.replica_id: r.node_id for r in self.replicas()}
+        node, now = node_of.get(replica_id), self.inflight.now()
+        return sum(self.inflight.busy_share(peer, since, now)
+                   for peer, peer_node in node_of.items() if peer != replica_id and peer_node == node)
+
+    async def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta, busy_peers: float) -> None:
+        """Teach the cost model this request's prefill (and pull) time, if it had its engine to itself;
+        `busy_peers`: the other engines of its node busy meanwhile, each for its share of the time. Not the count
+        at planning: a peer busy then often finishes a few ms into the prefill, and such turns, counted as fully
+        contended, had the slowdown fit end at 0.10-0.17 per busy peer in runs where prefills beside a decoding
+        engine measured 0.13-0.30 (`benchmarks.contention`)."""
         if last.prefill_s is None or not last.ran_alone:
             return  # a turn batched with others times the batch, not the model or the link
         prefill_ms = last.prefill_s * 1e3
         reused = last.num_cached_tokens
         new_tokens = last.prompt_tokens - reused
-        self.cost.observe_prefill(new_tokens, reused, prefill_ms, plan.busy_peers, last.replica_id)
+        self.cost.observe_prefill(new_tokens, reused, prefill_ms, busy_peers, last.replica_id)
         if last.decode_step_s is not None and plan.busy_peers == 0:
             self.cost.observe_decode(last.decode_step_s * 1e3)
         if pulled and last.wait_s is not None:

@@ -21,8 +21,10 @@ CALIBRATION_TENANT = "kvrelay-calibration"
 ONE_TOKEN = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 # Prefills timed beside a busy engine (`contention`): long enough that the slowdown, not fixed costs, shows.
 CONTENTION_LENGTHS = (256, 512, 1024)
-# How long after the busy engine's turn is sent the measured prefills start (its 64-token prefill is done by then).
+# How long after the busy engine's turns are sent the measured prefills start (their 64-token prefills are done).
 CONTENTION_START_S = 0.5
+# Conversations the busy engine decodes meanwhile (`contention`).
+CONTENTION_STREAMS = 4
 
 
 class TurnResultLike(Protocol):
@@ -89,25 +91,31 @@ async def calibrate(
 
 async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Random, vocab: int,
                      lengths: list[int]) -> None:
-    """Time prefills on `measured` while `busy` decodes a long turn: if the two engines share a node, the turn
-    path sees a busy peer and those prefills teach the cost model its slowdown per busy peer (else they are solo
-    samples). Each length twice, once `busy` is decoding; 256 decode steps keep it working longer than the
-    measured prefills take.
+    """Time prefills on `measured` alone, then while `busy` decodes CONTENTION_STREAMS long turns: if the two
+    engines share a node, the turn path sees a busy peer and the second set teaches the cost model its slowdown per
+    busy peer (else both are solo samples). Each length twice each way; 256 decode steps keep `busy` working longer
+    than the measured prefills take.
 
-    They are most of what the slowdown fit ever learns: a turn of real traffic teaches it only if it had its own
-    engine to itself while another was busy, a few per benchmark run. Three prefills timed 50 ms after the
-    background turn was sent (one of 64 tokens, mostly fixed cost) measured 0.12-0.14 on this machine, where
-    prefills timed while the other engine decodes take 1.13-1.30x as long end to end and teach the fit 0.33
-    (`benchmarks.contention`, contention.json), and two engines serving at once each run 1.29x slower
-    (scaling.json). Timed this way: 0.08-0.26 in five apps."""
-    background = asyncio.ensure_future(run_turn(
+    The slowdown is learned against the replica's solo speed, which the first set measures at the very lengths the
+    second set uses (six prefills of at least `CostModel.MIN_SPEED_TOKENS`: the replica's speed factor). Without
+    them it was learned against the start-up fit, which on this machine overestimated 1024-token prefills by a
+    quarter (they also teach it how fast long prefills run alone), so a prefill 1.25x slower beside a busy engine
+    read as none: the calibration measured 0.05-0.26 per busy peer in seven apps (one decoding stream beside it, or
+    four), where prefills timed beside a decoding engine take 1.13-1.30x as long end to end
+    (`benchmarks.contention`, contention.json) and two engines serving at once each run 1.29x slower (scaling.json).
+    Four decoding streams: a multi-turn load keeps a few conversations on each engine, and beside one stream a
+    256-token prefill measured 1.13x against 1.30x beside four there."""
+    for n in lengths * 2:
+        await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
+                       tenant=CALIBRATION_TENANT)
+    background = [asyncio.ensure_future(run_turn(
         [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
-        ("recompute", busy), tenant=CALIBRATION_TENANT))
+        ("recompute", busy), tenant=CALIBRATION_TENANT)) for _ in range(CONTENTION_STREAMS)]
     try:
-        # The background turn is in flight (the runner counts it) and past its short prefill, decoding.
+        # The background turns are in flight (the runner counts them) and past their short prefills, decoding.
         await asyncio.sleep(CONTENTION_START_S)
         for n in lengths * 2:
             await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
                            tenant=CALIBRATION_TENANT)
     finally:
-        await background
+        await asyncio.gather(*background)

@@ -13,7 +13,8 @@ for each later turn its conversation will bring there (`expected_future_turns`, 
 that continued a conversation).
 
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
-had their engine to themselves while p other engines on the node were busy (observed / solo prediction - 1),
+had their engine to themselves while other engines on the node were busy (observed / solo prediction - 1, against
+p = the busy engines, each counted for the share of the prefill it was busy),
 per node (nodes differ: cores, memory bandwidth, how many engines share them), the fleet's fit standing in for
 a node until it has MIN_NODE_SAMPLES of its own.
 
@@ -149,6 +150,8 @@ class CostModel:
     MIN_SPEED_SAMPLES = 6
     MIN_SPEED_TOKENS = 128
     MIN_NODE_SAMPLES = 4
+    # Busy peers (summed shares of a prefill's time) below which a prefill counts as solo.
+    SOLO_SHARE = 0.1
     # The most later turns of a conversation priced into a placement.
     MAX_FUTURE_TURNS = 8.0
 
@@ -279,11 +282,13 @@ class CostModel:
     # ---------------------------------------------------------------- calibration (mutates)
 
     def observe_prefill(
-        self, new_tokens: int, context_tokens: int, ms: float, busy_peers: int = 0, replica_id: str | None = None
+        self, new_tokens: int, context_tokens: int, ms: float, busy_peers: float = 0, replica_id: str | None = None
     ) -> None:
         """A prefill that had its engine to itself, on `replica_id`: with no busy peer beside it, it teaches the
         fleet's fit and that replica's speed relative to the fit (the fit then describes the fleet's mix, and fit x
         factor each replica, whatever the mix); with busy peers, the slowdown, against that replica's solo speed.
+        `busy_peers` counts each other engine of the node for the share of the prefill it was busy (a peer busy
+        for a tenth of it or less leaves a solo sample: it slowed the prefill by a few percent at most).
 
         A replica's speed is learned from its solo prefills only. Learned from all of them (a contended one
         measured against the fit x the current slowdown), the speed of a replica that mostly works beside a busy
@@ -294,6 +299,8 @@ class CostModel:
         if new_tokens <= 0 or ms <= 0:
             return
         fleet = self.recompute_ms(new_tokens, context_tokens)
+        if busy_peers < self.SOLO_SHARE:
+            busy_peers = 0
         # Short prefills measure the fit's error at small lengths (overheads), not the replica's speed.
         if busy_peers <= 0 and replica_id is not None and fleet > 0 and new_tokens >= self.MIN_SPEED_TOKENS:
             ratios = self._speed_ratios.setdefault(replica_id, deque(maxlen=32))

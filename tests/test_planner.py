@@ -263,6 +263,53 @@ def test_each_node_learns_its_own_contention():
     assert set(cost.snapshot()["contention_by_node"]) == {"node-1", "node-2"}
 
 
+def test_a_prefill_beside_a_peer_busy_for_part_of_it_teaches_the_whole_slowdown():
+    truth = calibrated(prefill_ms_per_token=0.3)
+    cost = calibrated(prefill_ms_per_token=0.3)
+    # Beside a fully busy peer a prefill takes 1.3x as long; most contended turns overlap their peer's work only in
+    # part, and slow down by that part of 0.3.
+    for share in (1.0, 0.5, 0.25, 0.75):
+        for n in (200, 400, 600, 800):
+            cost.observe_prefill(n, 0, (1 + 0.3 * share) * truth.recompute_ms(n), busy_peers=share, replica_id="a")
+    assert cost.slowdown(1) == pytest.approx(1.3, rel=0.01)
+    # A peer busy for a few percent of a prefill leaves a solo sample: it teaches the fit, not the slowdown.
+    samples = len(cost.contention.samples)
+    cost.observe_prefill(500, 0, truth.recompute_ms(500), busy_peers=0.05, replica_id="a")
+    assert len(cost.contention.samples) == samples
+
+
+def test_the_peers_busy_during_a_prefill_count_for_their_share_of_it():
+    from actors.replica_api import ReplicaStats
+    from app.turns import InFlight, TurnRunner
+
+    def stats(replica_id: str, node_id: str) -> ReplicaStats:
+        return ReplicaStats(replica_id=replica_id, node_id=node_id, running=0, waiting=0, kv_cache_usage=0.0,
+                            prefix_cache_hit_rate=0.0, prefill_tok_s=None, decode_tok_s=None, requests_finished=0)
+
+    class Directory:
+        def live(self) -> list[ReplicaStats]:
+            return [stats("a", "n1"), stats("b", "n1"), stats("c", "n1"), stats("d", "n2")]
+
+    now = [100.0]
+    turns = TurnRunner(None, Directory(), calibrated(), "m", 16, 10.0)
+    turns.inflight = InFlight(clock=lambda: now[0])
+    inflight = turns.inflight
+    inflight.started("b", "b1", 0)  # busy before the turn is sent, done 50 ms into its 200
+    inflight.started("d", "d1", 0)  # busy throughout, but on another node: shares no cores with "a"
+    now[0] = 100.05
+    inflight.ended("b", "b1")
+    now[0] = 100.1
+    inflight.started("c", "c1", 0)  # starts halfway, with two overlapping requests
+    inflight.started("c", "c2", 0)
+    now[0] = 100.15
+    inflight.ended("c", "c1")
+    assert inflight.busy_share("b", 100.0, 100.2) == pytest.approx(0.25)
+    now[0] = 100.2
+    assert inflight.busy_share("c", 100.0, 100.2) == pytest.approx(0.5)
+    assert turns._busy_peers_since("a", 100.0) == pytest.approx(0.75)
+    assert inflight.busy_share("b", 100.1, 100.2) == 0.0
+
+
 def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     from actors.replica_api import ReplicaStats
     from app.turns import InFlight
