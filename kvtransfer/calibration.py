@@ -98,10 +98,10 @@ async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Ra
 
     The slowdown is learned against the replica's solo speed, which the first set measures at the very lengths the
     second set uses (six prefills of at least `CostModel.MIN_SPEED_TOKENS`: the replica's speed factor). Without
-    them it was learned against the start-up fit, which on this machine overestimated 1024-token prefills by a
-    quarter (they also teach it how fast long prefills run alone), so a prefill 1.25x slower beside a busy engine
-    read as none: the calibration measured 0.05-0.26 per busy peer in seven apps (one decoding stream beside it, or
-    four), where prefills timed beside a decoding engine take 1.13-1.30x as long end to end
+    them it was learned against the start-up fit alone, which on this machine overestimated 1024-token prefills by
+    a quarter (the first set now teaches the fit too), so a prefill 1.25x slower beside a busy engine read as
+    none: the calibration measured 0.05-0.26 per busy peer in seven apps (one decoding stream beside it, or four),
+    where prefills timed beside a decoding engine take 1.13-1.30x as long end to end
     (`benchmarks.contention`, contention.json) and two engines serving at once each run 1.29x slower (scaling.json).
     Four decoding streams: a multi-turn load keeps a few conversations on each engine, and beside one stream a
     256-token prefill measured 1.13x against 1.30x beside four there."""
