@@ -497,7 +497,8 @@ class TurnRunner:
                     return
                 if delta.token_ids and not output:
                     self.inflight.first_token(where, request.request_id)
-                    busy_peers = self._busy_peers_since(where, sent_at)
+                    if prefills:  # only a prefilling request's timings teach the cost model
+                        busy_peers = self._busy_peers_since(where, sent_at)
                     if outcome.ttft_ms is None:
                         outcome.ttft_ms = (time.monotonic() - started) * 1e3
                     if prefills and plan.superseded:

@@ -105,17 +105,18 @@ async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Ra
     (`benchmarks.contention`, contention.json) and two engines serving at once each run 1.29x slower (scaling.json).
     Four decoding streams: a multi-turn load keeps a few conversations on each engine, and beside one stream a
     256-token prefill measured 1.13x against 1.30x beside four there."""
-    for n in lengths * 2:
-        await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
-                       tenant=CALIBRATION_TENANT)
+    async def prefills() -> None:
+        for n in lengths * 2:
+            await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
+                           tenant=CALIBRATION_TENANT)
+
+    await prefills()
     background = [asyncio.ensure_future(run_turn(
         [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
         ("recompute", busy), tenant=CALIBRATION_TENANT)) for _ in range(CONTENTION_STREAMS)]
     try:
         # The background turns are in flight (the runner counts them) and past their short prefills, decoding.
         await asyncio.sleep(CONTENTION_START_S)
-        for n in lengths * 2:
-            await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
-                           tenant=CALIBRATION_TENANT)
+        await prefills()
     finally:
         await asyncio.gather(*background)
