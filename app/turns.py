@@ -30,7 +30,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from actors.directory_mirror import DirectoryMirror
-from actors.prefix_hash import PrefixKey, Scope
+from actors.prefix_hash import BlockHash, PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats
 from app.recent_prompts import RecentPrompts
 from app.responses import caused_by
@@ -107,6 +107,8 @@ class Turn:
     policy: Policy = Policy.KVRELAY
     # vLLM's scheduling priority (lower runs first; engines refuse non-zero ones unless they schedule by priority).
     priority: int = 0
+    # The token ids hashed into blocks (`TurnRunner.key`): once per turn, not per plan and request.
+    key: PrefixKey | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass
@@ -160,24 +162,32 @@ class InFlight:
         self._clock = clock
         # replica -> request id -> [started_at, ended_at or None, prompt tokens still to prefill or None]
         self._requests: dict[str, dict[str, list]] = {}
-        self._arrivals: dict[str, deque[float]] = {}  # replica -> start times within the rate window
+        # replica -> (start time, where its prompt ended: `PrefixKey.prompt_end`) of requests within the rate window
+        self._arrivals: dict[str, deque[tuple[float, BlockHash | None]]] = {}
 
-    def started(self, replica_id: str, request_id: str, new_tokens: int) -> None:
+    def started(self, replica_id: str, request_id: str, new_tokens: int, prompt_end: BlockHash | None = None) -> None:
         now = self._clock()
         self._requests.setdefault(replica_id, {})[request_id] = [now, None, new_tokens]
-        self._arrivals.setdefault(replica_id, deque()).append(now)
+        self._arrivals.setdefault(replica_id, deque()).append((now, prompt_end))
 
     def now(self) -> float:
         return self._clock()
 
-    def arrival_rate(self, replica_id: str) -> float:
-        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S."""
+    def arrival_rate(self, replica_id: str, conversation: PrefixKey | None = None) -> float:
+        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S, not counting the
+        earlier turns of `conversation` (a turn's prompt): the traffic a placement of its next turn would slow is
+        the other conversations'. Counted with its own, a conversation living on the quieter of two busy engines
+        saw its own turns there as traffic its stay elsewhere would slow, and two engines holding two conversations
+        each priced staying and moving alike: both stayed busy side by side for the rest of those conversations."""
         arrivals = self._arrivals.get(replica_id)
         if not arrivals:
             return 0.0
-        while arrivals and arrivals[0] < self._clock() - self.RATE_WINDOW_S:
+        while arrivals and arrivals[0][0] < self._clock() - self.RATE_WINDOW_S:
             arrivals.popleft()
-        return len(arrivals) / self.RATE_WINDOW_S
+        count = len(arrivals)
+        if conversation is not None:
+            count -= sum(1 for _, end in arrivals if end is not None and conversation.has_block(end))
+        return count / self.RATE_WINDOW_S
 
     def busy_share(self, replica_id: str, since: float, until: float) -> float:
         """The share of [since, until] (this clock) during which this ingress had a request in flight on the
@@ -215,8 +225,9 @@ class InFlight:
         for rid in [rid for rid, (_, ended, _) in mine.items() if ended is not None and now - ended > self.RETAIN_S]:
             del mine[rid]
 
-    def view(self, stats: ReplicaStats) -> ReplicaView:
-        """The planner's view of a replica: others' requests as of its heartbeat, and this ingress's now."""
+    def view(self, stats: ReplicaStats, conversation: PrefixKey | None = None) -> ReplicaView:
+        """The planner's view of a replica for a turn whose prompt is `conversation`: others' requests as of its
+        heartbeat, and this ingress's now; its arrival rate without the conversation's own turns."""
         mine = self._requests.get(stats.replica_id, {}).values()
         seen_by_heartbeat = sum(
             1 for started, ended, _ in mine if started <= stats.at and (ended is None or ended > stats.at)
@@ -231,7 +242,7 @@ class InFlight:
             decode_tok_s=stats.decode_tok_s,
             prefill_tokens=sum(prefilling),
             prefilling=len(prefilling),
-            arrival_rate=self.arrival_rate(stats.replica_id),
+            arrival_rate=self.arrival_rate(stats.replica_id, conversation),
         )
 
 
@@ -297,7 +308,7 @@ class TurnRunner:
         """Plan a turn from this ingress's own view (no remote call); `targets` limits where it may run (holders
         may be any live replica)."""
         started = time.perf_counter()
-        key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
+        key = self.key(turn)
         lookup, replicas = self.directory.lookup(key), self.directory.live()
         if turn.params.prompt_logprobs is not None:
             # Every prompt position needs its logprobs computed: nothing cached or pulled may stand in for it.
@@ -314,7 +325,7 @@ class TurnRunner:
             self.recent_prompts.add(key)
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)
-        views = with_busy_peers([self.inflight.view(r) for r in replicas], node_of)
+        views = with_busy_peers([self.inflight.view(r, key) for r in replicas], node_of)
 
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
@@ -328,6 +339,13 @@ class TurnRunner:
         )
         self.plan_ms.append((time.perf_counter() - started) * 1e3)
         return plan
+
+    def key(self, turn: Turn) -> PrefixKey:
+        """The turn's token ids hashed into blocks (built once per turn; a continuation after a lost replica is a
+        new turn)."""
+        if turn.key is None:
+            turn.key = PrefixKey.build(turn.token_ids, Scope(self.model, turn.tenant), self.block_size)
+        return turn.key
 
     async def run(
         self, turn: Turn, force: tuple[Mode, str] | None = None
@@ -471,7 +489,8 @@ class TurnRunner:
         # Accounted on the planned replica (none for a P/D decode stage: Serve chooses), and moved to the one that
         # answers: that replica's heartbeats then count this request as this ingress's own, ended when it ends.
         where = plan.replica_id
-        self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens)
+        self.inflight.started(where, request.request_id, len(turn.token_ids) - plan.reused_tokens,
+                              self.key(turn).prompt_end(len(turn.token_ids)))
         sent_at = self.inflight.now()
         busy_peers = 0.0  # other engines of its node busy until its first token, each for its share of that time
         if outcome.engine_called_at is None:

@@ -503,6 +503,63 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
 
 
+def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
+    from actors.prefix_hash import PrefixKey, Scope
+    from actors.replica_api import ReplicaStats
+    from app.turns import InFlight, with_busy_peers
+
+    n = 1024
+    # Prefills 1.3x slower beside a busy engine, a 58 ms decode step: today's quick multi-turn workload measured
+    # 0.28 and 58.4 (benchmarks/results/multi_turn_quick_paired_contention_3.json, `cost_model`).
+    cost = contended(0.3)
+    cost.decode_step_ms = 58.0
+    for _ in range(12):
+        for first in range(5):  # conversations of five turns
+            cost.observe_turn(continues=first > 0)
+    scope = Scope("m", "")
+
+    def prompt(conversation: int, turn: int) -> PrefixKey:  # each turn's prompt starts with the previous one's
+        return PrefixKey.build([1 + conversation] * (n + 64 * turn), scope, 16)
+
+    # The last ten seconds: conversations 0 and 1 ran two turns each on "a", 2 and 3 two each on "b". Each engine
+    # is decoding one of them now, and has had the same traffic.
+    now = [100.0]
+    inflight = InFlight(clock=lambda: now[0])
+    for turn in range(2):
+        for conversation, replica in enumerate("aabb"):
+            key = prompt(conversation, turn)
+            inflight.started(replica, f"{conversation}-{turn}", 64, key.prompt_end(key.num_tokens))
+            now[0] += 1.0
+    for conversation, replica in enumerate("aabb"):
+        if conversation % 2:
+            inflight.ended(replica, f"{conversation}-1")
+
+    def stats(replica_id: str) -> ReplicaStats:
+        return ReplicaStats(replica_id=replica_id, node_id="n1", running=0, waiting=0, kv_cache_usage=0.0,
+                            prefix_cache_hit_rate=0.0, prefill_tok_s=None, decode_tok_s=None, requests_finished=0)
+
+    # Conversation 3's next turn, its history on "b". Staying keeps "b" busy beside "a" for its later turns, slowing
+    # the two conversations that arrive at "a"; moving to "a" slows only conversation 2, which stays on "b": its own
+    # turns on "b" are not traffic it would slow there. So it pulls its history to "a" ...
+    on_b = lookup(n + 128, ReplicaMatch("b", n + 64, "hold", n + 64, hold("b", n + 64)))
+    views = with_busy_peers([inflight.view(stats(r), prompt(3, 2)) for r in "ab"], {"a": "n1", "b": "n1"})
+    assert [v.arrival_rate for v in views] == [pytest.approx(0.4), pytest.approx(0.2)]
+    moved = plan_turn(n + 128, on_b, views, cost, output_tokens=24)
+    assert (moved.replica_id, moved.mode, moved.holder) == ("a", Mode.PULL, "b")
+    # ... where, counted with its own, the two engines' traffic looked the same and it stayed beside "a".
+    counted_with_own = with_busy_peers([inflight.view(stats(r)) for r in "ab"], {"a": "n1", "b": "n1"})
+    stays = plan_turn(n + 128, on_b, counted_with_own, cost, output_tokens=24)
+    assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
+    # Its next turn stays on "a" (no ping-pong): going back would slow a's two other conversations.
+    key = prompt(3, 2)
+    inflight.started("a", "3-2", 64, key.prompt_end(key.num_tokens))
+    now[0] += 1.0
+    inflight.ended("a", "3-2")
+    on_a = lookup(n + 192, ReplicaMatch("a", n + 128, "hold", n + 128, hold("a", n + 128)))
+    views = with_busy_peers([inflight.view(stats(r), prompt(3, 3)) for r in "ab"], {"a": "n1", "b": "n1"})
+    assert (plan_turn(n + 192, on_a, views, cost, output_tokens=24).replica_id,) == ("a",)
+
+
 def test_prompts_queued_on_a_replica_are_priced_as_separate_prompts_prefilled_together():
     cost = CostModel(KVShape.from_hf_config(SMOLLM2, "bfloat16", 32).kv_bytes)
     for n in (256, 512, 1024, 2048, 4096):
