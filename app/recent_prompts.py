@@ -9,7 +9,9 @@ ended with 0.0 later turns expected (benchmarks/results/multi_turn_think_time_st
 where its prompt ends as the next turn will see it (`PrefixKey.prompt_end`, as the directory records per hold) for
 `ttl_s`, bounded in count; a later prompt that contains it as one of its blocks starts with that whole prompt.
 Block hashes are chained and scoped to the tenant, so a new conversation sharing only a system prompt, or another
-tenant's, never matches. Not thread-safe; the ingress's event loop only.
+tenant's, never matches. It also keeps each turn's place in its conversation (0 for a first turn), so a turn knows
+how many came before it: how many more to expect depends on that (`CostModel.expected_future_turns`). Not
+thread-safe; the ingress's event loop only.
 """
 
 from __future__ import annotations
@@ -32,30 +34,45 @@ class RecentPrompts:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
-        self._ends: OrderedDict[BlockHash, float] = OrderedDict()  # prompt end -> when it expires, oldest first
+        # prompt end -> (when it expires, the turn's index in its conversation or None), oldest first
+        self._ends: OrderedDict[BlockHash, tuple[float, int | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._ends)
 
-    def add(self, prompt: PrefixKey) -> None:
-        """Remember where `prompt` (a turn's whole prompt) ends; not if its tokens before the last fill no block."""
+    def add(self, prompt: PrefixKey, index: int | None = 0) -> None:
+        """Remember where `prompt` (a turn's whole prompt, the `index`-th of its conversation; None: its place is
+        not known) ends; not if its tokens before the last fill no block."""
         end = prompt.prompt_end(prompt.num_tokens)
         if end is None:
             return
-        self._ends[end] = self._clock() + self.ttl_s
+        self._ends[end] = (self._clock() + self.ttl_s, index)
         self._ends.move_to_end(end)
         while len(self._ends) > self.max_entries:
             self._ends.popitem(last=False)
 
     def continues(self, key: PrefixKey) -> bool:
-        """Whether `key` starts with the whole prompt of a turn remembered here (probes each of its full blocks)."""
+        """Whether `key` starts with the whole prompt of a turn remembered here."""
+        return self._previous(key) is not None
+
+    def previous_index(self, key: PrefixKey) -> int | None:
+        """The index in its conversation of the latest remembered turn whose whole prompt `key` starts with; None if
+        there is none, or its place is not known."""
+        previous = self._previous(key)
+        return previous[1] if previous is not None else None
+
+    def _previous(self, key: PrefixKey) -> tuple[float, int | None] | None:
+        """What is remembered of the latest turn whose whole prompt `key` starts with (probes its full blocks from
+        the last), after forgetting expired ones."""
         ends = self._ends
         now = self._clock()
         while ends:
-            oldest, expires = next(iter(ends.items()))
+            oldest, (expires, _) = next(iter(ends.items()))
             if expires > now:
                 break
             del ends[oldest]
-        if not ends:
-            return False
-        return any(key.block_hash(d) in ends for d in range(key.num_full_blocks - 1, -1, -1))
+        for d in range(key.num_full_blocks - 1, -1, -1) if ends else ():
+            found = ends.get(key.block_hash(d))
+            if found is not None:
+                return found
+        return None

@@ -309,6 +309,7 @@ class TurnRunner:
         may be any live replica)."""
         started = time.perf_counter()
         key = self.key(turn)
+        turn_index: int | None = 0  # the turn's place in its conversation (None: it continues one, where is unknown)
         lookup, replicas = self.directory.lookup(key), self.directory.live()
         if turn.params.prompt_logprobs is not None:
             # Every prompt position needs its logprobs computed: nothing cached or pulled may stand in for it.
@@ -320,9 +321,16 @@ class TurnRunner:
             # continuation be told from a new prompt sharing a prefix. Not by a hold matching the prompt: the reply
             # comes back re-tokenized from its text, and in up to a quarter of the benchmark's continuing turns
             # its tokens differed from the generated ones. Nor only by a pending hold: after a pause longer than the
-            # hold's lease, by where this ingress's recent prompts ended.
-            self.cost.observe_turn(self.directory.continues(key) or self.recent_prompts.continues(key))
-            self.recent_prompts.add(key)
+            # hold's lease, by where this ingress's recent prompts ended, which also tell the turn's place in its
+            # conversation (not known where only the directory knows it continues: another ingress ran the turn
+            # before, or this one restarted).
+            previous = self.recent_prompts.previous_index(key)
+            if previous is not None:
+                turn_index = previous + 1
+            elif self.recent_prompts.continues(key) or self.directory.continues(key):
+                turn_index = None
+            self.cost.observe_turn(turn_index)
+            self.recent_prompts.add(key, turn_index)
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)
         views = with_busy_peers([self.inflight.view(r, key) for r in replicas], node_of)
@@ -335,7 +343,7 @@ class TurnRunner:
         self._rotation += 1
         plan = plan_turn(
             len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation,
-            self._output_tokens(turn), self.met,
+            self._output_tokens(turn), self.met, turn_index,
         )
         self.plan_ms.append((time.perf_counter() - started) * 1e3)
         return plan

@@ -71,7 +71,8 @@ class ReplicaView(NamedTuple):
     prefilling: int = 0
     # Other engines on the same node that are busy now: they share its CPUs.
     peers: tuple[PeerLoad, ...] = ()
-    # Requests per second sent there lately: how many arrive while a new turn's prefill holds it.
+    # Requests per second sent there lately by other conversations than the planned turn's: how many arrive while
+    # a new turn's prefill holds it.
     arrival_rate: float = 0.0
 
     @property
@@ -141,8 +142,10 @@ def _options(
     targets: Collection[str] | None = None,
     output_tokens: int = 1,
     met: Collection[tuple[str, str]] | None = None,
+    turn_index: int | None = None,
 ) -> list[Option]:
     live = {r.replica_id for r in replicas}
+    future = cost.expected_future_turns(turn_index)
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
     holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
     options: list[Option] = []
@@ -166,7 +169,7 @@ def _options(
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
                                   cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
-                                  _impact_ms(replica, compute, output_tokens, cost)))
+                                  _impact_ms(replica, compute, output_tokens, cost, future)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -178,7 +181,7 @@ def _options(
             ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
                                   cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms,
-                                  _impact_ms(replica, rest, output_tokens, cost)))
+                                  _impact_ms(replica, rest, output_tokens, cost, future)))
     return options
 
 
@@ -190,7 +193,7 @@ def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
     return 0.0 if target.idle else READ_STEPS * cost.decode_step_ms
 
 
-def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel) -> float:
+def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel, future: float) -> float:
     """The delay a turn on `target` imposes on other requests' first tokens.
 
     On a busy target, requests that arrive while its prefill runs wait for it: at the target's recent arrival rate,
@@ -204,18 +207,19 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
 
     A turn also decides where its conversation lives: its later turns find their history on the target and stay
     there (moving them costs a pull or a recompute), and each keeps the target decoding beside the busy engines of
-    its node, whose arrivals are slowed again meanwhile, for as many turns as conversations have been bringing
-    (`CostModel.expected_future_turns`). That is priced on a busy target too: whether it would stay busy without
-    this conversation depends on where its other conversations go, and they are placed by the same rule. It makes
-    two busy engines unequal: a conversation on the one with less traffic slows the arrivals at the busier one,
-    and moves there (pulling its history) once that costs less, so the quieter engine drains. A CPU decode step
+    its node, whose arrivals are slowed again meanwhile, for `future` turns (`CostModel.expected_future_turns`: as
+    many as recent conversations brought after the turn's place in its own). That is priced on a busy target too:
+    whether it would stay busy without this conversation depends on where its other conversations go, and they are
+    placed by the same rule. It makes two busy engines unequal (traffic being the other conversations' turns:
+    `ReplicaView.arrival_rate` leaves out the turn's own conversation, whose later turns go wherever it goes): a
+    conversation on the one with less traffic slows the arrivals at the busier one, and moves there (pulling its
+    history) once that costs less, so the quieter engine drains. A CPU decode step
     costs about the same for one request or four, so one engine's batch grows almost for free, while a second
     engine decoding beside the first slows it (the measured contention: the cores themselves do not slow each
     other, benchmarks/two_cores.py, but with both engines busy the node's other processes, replica actors, ingress
     and Ray, take their CPU from the engines).
     """
     later = output_tokens * cost.decode_step_ms  # each later turn's stay: its decode (its prefill is short)
-    future = cost.expected_future_turns()
     stays = sum(cost.contention_impact_ms(later / 2, future * peer.arrival_rate / 1e3 * later, target.replica_id)
                 for peer in target.peers)
     if not target.idle:
@@ -241,11 +245,14 @@ def plan_turn(
     rotation: int = 0,
     output_tokens: int = 1,
     met: Collection[tuple[str, str]] | None = None,
+    turn_index: int | None = None,
 ) -> Plan:
     """Choose target replica and mode together; under `Policy.KVRELAY`, the lowest cost: estimated time to first
     token plus the delay imposed on requests running beside the target (`output_tokens`: how long the turn will
     decode there, which is how long it keeps an idle target busy). `met`: the (puller, holder) pairs that have
     pulled before; a pull between any other two replicas also pays NIXL's handshake (None: every pair has met).
+    `turn_index`: the turn's place in its conversation (0: its first; None: not known), which tells how many more
+    turns the conversation will bring wherever the turn runs.
 
     `preferred_replica` (a session's usual replica) wins near-ties (2% and 5 ms), so equal options keep affinity; under
     `Policy.SESSION` it is the target. `rotation` is the caller's turn counter for the round-robin policies.
@@ -258,7 +265,7 @@ def plan_turn(
         raise ValueError("no live engine replica to plan on")
     if num_tokens <= 0:
         raise ValueError("a turn needs at least one prompt token")
-    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met)
+    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met, turn_index)
     if not options:
         raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
     if force is not None:

@@ -438,10 +438,13 @@ def test_a_turn_on_an_idle_engine_is_priced_for_the_turns_its_conversation_will_
     one_shot, conversations = contended(0.1), contended(0.1)
     for _ in range(12):
         for first in range(5):  # conversations of five turns: four of five turns continue one
-            conversations.observe_turn(continues=first > 0)
-            one_shot.observe_turn(continues=False)
+            conversations.observe_turn(first)
+            one_shot.observe_turn(0)
     assert one_shot.expected_future_turns() == 0.0
     assert conversations.expected_future_turns() == pytest.approx(4.0, rel=0.05)
+    # Knowing the turn's place in its conversation: a first turn brings four more, a third two, a last none.
+    assert [conversations.expected_future_turns(i) for i in (0, 2, 4)] == [4.0, 2.0, 0.0]
+    assert one_shot.expected_future_turns(0) == 0.0
     # One-shot requests: the turn's own occupancy of "b" is all it costs "a"; its first token comes sooner on "b".
     alone = plan_turn(600, lookup(600), views, one_shot, output_tokens=24)
     assert alone.replica_id == "b"
@@ -478,7 +481,7 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
     cost = contended(0.1)
     for _ in range(12):
         for first in range(5):  # conversations of five turns
-            cost.observe_turn(continues=first > 0)
+            cost.observe_turn(first)
     on_b = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
     # Both engines decode: "a" four conversations' turns (2 requests a second arrive there), "b" one other
     # conversation's (0.5 a second). A conversation living on "b" keeps "b" decoding beside "a" for its four more
@@ -514,8 +517,8 @@ def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     cost = contended(0.3)
     cost.decode_step_ms = 58.0
     for _ in range(12):
-        for first in range(5):  # conversations of five turns
-            cost.observe_turn(continues=first > 0)
+        for index in range(6):  # conversations of six turns
+            cost.observe_turn(index)
     scope = Scope("m", "")
 
     def prompt(conversation: int, turn: int) -> PrefixKey:  # each turn's prompt starts with the previous one's
@@ -542,14 +545,18 @@ def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     # the two conversations that arrive at "a"; moving to "a" slows only conversation 2, which stays on "b": its own
     # turns on "b" are not traffic it would slow there. So it pulls its history to "a" ...
     on_b = lookup(n + 128, ReplicaMatch("b", n + 64, "hold", n + 64, hold("b", n + 64)))
-    views = with_busy_peers([inflight.view(stats(r), prompt(3, 2)) for r in "ab"], {"a": "n1", "b": "n1"})
-    assert [v.arrival_rate for v in views] == [pytest.approx(0.4), pytest.approx(0.2)]
-    moved = plan_turn(n + 128, on_b, views, cost, output_tokens=24)
+    views_before_move = with_busy_peers([inflight.view(stats(r), prompt(3, 2)) for r in "ab"], {"a": "n1", "b": "n1"})
+    assert [v.arrival_rate for v in views_before_move] == [pytest.approx(0.4), pytest.approx(0.2)]
+    moved = plan_turn(n + 128, on_b, views_before_move, cost, output_tokens=24, turn_index=2)
     assert (moved.replica_id, moved.mode, moved.holder) == ("a", Mode.PULL, "b")
     # ... where, counted with its own, the two engines' traffic looked the same and it stayed beside "a".
     counted_with_own = with_busy_peers([inflight.view(stats(r)) for r in "ab"], {"a": "n1", "b": "n1"})
-    stays = plan_turn(n + 128, on_b, counted_with_own, cost, output_tokens=24)
+    stays = plan_turn(n + 128, on_b, counted_with_own, cost, output_tokens=24, turn_index=2)
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
+    # Were it its last turn (the sixth: recent conversations brought none after it), it would stay on "b": moving
+    # buys nothing for turns that will not come.
+    last = plan_turn(n + 128, on_b, views_before_move, cost, output_tokens=24, turn_index=5)
+    assert (last.replica_id, last.mode) == ("b", Mode.LOCAL)
     # Its next turn stays on "a" (no ping-pong): going back would slow a's two other conversations.
     key = prompt(3, 2)
     inflight.started("a", "3-2", 64, key.prompt_end(key.num_tokens))
@@ -557,7 +564,7 @@ def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     inflight.ended("a", "3-2")
     on_a = lookup(n + 192, ReplicaMatch("a", n + 128, "hold", n + 128, hold("a", n + 128)))
     views = with_busy_peers([inflight.view(stats(r), prompt(3, 3)) for r in "ab"], {"a": "n1", "b": "n1"})
-    assert (plan_turn(n + 192, on_a, views, cost, output_tokens=24).replica_id,) == ("a",)
+    assert (plan_turn(n + 192, on_a, views, cost, output_tokens=24, turn_index=3).replica_id,) == ("a",)
 
 
 def test_prompts_queued_on_a_replica_are_priced_as_separate_prompts_prefilled_together():
