@@ -55,11 +55,13 @@ class RecentPrompts:
         """Whether `key` starts with the whole prompt of a turn remembered here."""
         return self._previous(key) is not None
 
-    def previous_index(self, key: PrefixKey) -> int | None:
-        """The index in its conversation of the latest remembered turn whose whole prompt `key` starts with; None if
-        there is none, or its place is not known."""
+    def place(self, key: PrefixKey) -> int | None:
+        """The place in its conversation of a turn whose prompt is `key`: 0 if it starts with no remembered turn's
+        whole prompt, one after the latest such turn's place, None where that turn's place is not known."""
         previous = self._previous(key)
-        return previous[1] if previous is not None else None
+        if previous is None:
+            return 0
+        return None if previous[1] is None else previous[1] + 1
 
     def _previous(self, key: PrefixKey) -> tuple[float, int | None] | None:
         """What is remembered of the latest turn whose whole prompt `key` starts with (probes its full blocks from

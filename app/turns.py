@@ -324,10 +324,8 @@ class TurnRunner:
             # hold's lease, by where this ingress's recent prompts ended, which also tell the turn's place in its
             # conversation (not known where only the directory knows it continues: another ingress ran the turn
             # before, or this one restarted).
-            previous = self.recent_prompts.previous_index(key)
-            if previous is not None:
-                turn_index = previous + 1
-            elif self.recent_prompts.continues(key) or self.directory.continues(key):
+            turn_index = self.recent_prompts.place(key)
+            if turn_index == 0 and self.directory.continues(key):
                 turn_index = None
             self.cost.observe_turn(turn_index)
             self.recent_prompts.add(key, turn_index)

@@ -54,15 +54,15 @@ def test_each_turn_knows_its_place_in_its_conversation():
     recent = RecentPrompts(clock=lambda: 0.0)
     system = list(range(1000, 1200))
     prompt = system + list(range(5000, 5300))
-    assert recent.previous_index(key(prompt)) is None  # a first turn
+    assert recent.place(key(prompt)) == 0  # a first turn
     recent.add(key(prompt), 0)
     for index in range(1, 4):
         prompt = prompt + list(range(9000 + 100 * index, 9050 + 100 * index))  # the reply and a new message
-        assert recent.previous_index(key(prompt)) == index - 1
+        assert recent.place(key(prompt)) == index
         recent.add(key(prompt), index)
     # Another conversation with the same system prompt starts at 0; a continuation whose place is not known (the
     # previous turn ran through another ingress) passes that on.
     other = system + list(range(6000, 6300))
-    assert recent.previous_index(key(other)) is None
+    assert recent.place(key(other)) == 0
     recent.add(key(other), None)
-    assert recent.continues(key(other + [1, 2, 3])) and recent.previous_index(key(other + [1, 2, 3])) is None
+    assert recent.continues(key(other + [1, 2, 3])) and recent.place(key(other + [1, 2, 3])) is None
