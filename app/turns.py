@@ -249,16 +249,14 @@ class InFlight:
 def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
     """Each view with the other replicas on its node that are busy (running, queued or prefilling): how many,
     and, per busy one, its requests waiting for their first token, the prompt tokens they still need and its
-    recent arrival rate; and how many of the others on its node had recent traffic (`loaded_neighbours`)."""
+    recent arrival rate."""
     busy = [v for v in views if not v.idle]
     out = []
     for v in views:
         node = node_of.get(v.replica_id)
         peers = [b for b in busy if b.replica_id != v.replica_id and node_of.get(b.replica_id) == node]
-        loaded = sum(1 for o in views if o.replica_id != v.replica_id and node_of.get(o.replica_id) == node
-                     and o.arrival_rate > 0)
         out.append(v._replace(peers=tuple(PeerLoad(p.waiting + p.prefilling, p.prefill_tokens, p.arrival_rate)
-                                          for p in peers), loaded_neighbours=loaded))
+                                          for p in peers)))
     return out
 
 
@@ -329,9 +327,7 @@ class TurnRunner:
             turn_index = self.recent_prompts.place(key)
             if turn_index == 0 and self.directory.continues(key):
                 turn_index = None
-            history = max((max(m.cached_tokens, m.hold.num_tokens if m.hold else 0) for m in lookup.matches),
-                          default=0)
-            self.cost.observe_turn(turn_index, len(turn.token_ids) - history)
+            self.cost.observe_turn(turn_index)
             self.recent_prompts.add(key, turn_index)
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)

@@ -173,8 +173,6 @@ class CostModel:
         self._decode_samples = 0
         # Completion tokens of recent turns (a moving average): how long a turn typically decodes.
         self.typical_output_tokens: float | None = None
-        # Prompt tokens a continuing turn brings beyond the history it finds cached or held (moving average).
-        self.typical_new_tokens: float | None = None
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
         self.handshake_ms = 0.0
         # Each recent turn's index in its conversation (0: a first turn; None: a continuation whose place is not
@@ -352,14 +350,10 @@ class CostModel:
             prev = self.typical_output_tokens
             self.typical_output_tokens = completion_tokens if prev is None else 0.9 * prev + 0.1 * completion_tokens
 
-    def observe_turn(self, index: int | None, new_tokens: int = 0) -> None:
+    def observe_turn(self, index: int | None) -> None:
         """A planned turn and its index in its conversation: 0 for a first turn, None for a continuation whose place
-        is not known (mutates the window of recent turns); for a continuation, `new_tokens`: its prompt beyond the
-        longest part of its history cached or held anywhere (what a later turn prefills)."""
+        is not known (mutates the window of recent turns)."""
         self._turn_index.append(index)
-        if index != 0 and new_tokens > 0:
-            prev = self.typical_new_tokens
-            self.typical_new_tokens = new_tokens if prev is None else 0.9 * prev + 0.1 * new_tokens
 
     def observe_pull(self, num_tokens: int, ms: float) -> None:
         """`ms`: the transfer's share of a pulled turn's prefill time (measured minus the delta's compute)."""
@@ -385,7 +379,6 @@ class CostModel:
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.typical_output_tokens,
-            "typical_new_tokens": self.typical_new_tokens,
             "handshake_ms": self.handshake_ms,
             "continuation_share": round(self.continuation_share, 3),
             "expected_future_turns": round(self.expected_future_turns(), 2),

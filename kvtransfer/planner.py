@@ -46,8 +46,6 @@ STAY_MARGIN = 0.10
 STAY_MARGIN_MS = 5.0
 # Engine steps a read of a hold adds before the reading request's prefill runs (`_read_wait_ms`).
 READ_STEPS = 1
-# New prompt tokens of a conversation's later turn before any continuation has been seen (then: recent ones').
-LATER_TURN_TOKENS = 64
 
 
 class PeerLoad(NamedTuple):
@@ -76,9 +74,6 @@ class ReplicaView(NamedTuple):
     # Requests per second sent there lately by other conversations than the planned turn's: how many arrive while
     # a new turn's prefill holds it.
     arrival_rate: float = 0.0
-    # Other engines on its node that other conversations than the planned turn's sent requests to lately (busy
-    # now or not): those the conversation's later turns would run beside if it lived here.
-    loaded_neighbours: int = 0
 
     @property
     def busy_peers(self) -> int:
@@ -151,9 +146,6 @@ def _options(
 ) -> list[Option]:
     live = {r.replica_id for r in replicas}
     future = cost.expected_future_turns(turn_index)
-    later = {r.replica_id: future * _later_turn_ms(r, num_tokens + output_tokens, cost) for r in replicas}
-    # What the conversation's own later turns lose by living on each replica rather than on the best home for them.
-    home = {replica_id: ms - min(later.values()) for replica_id, ms in later.items()}
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
     holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
     options: list[Option] = []
@@ -177,8 +169,7 @@ def _options(
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
                                   cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
-                                  _impact_ms(replica, compute, output_tokens, cost, future)
-                                  + home[replica.replica_id]))
+                                  _impact_ms(replica, compute, output_tokens, cost, future)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -190,8 +181,7 @@ def _options(
             ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
                                   cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms,
-                                  _impact_ms(replica, rest, output_tokens, cost, future)
-                                  + home[replica.replica_id]))
+                                  _impact_ms(replica, rest, output_tokens, cost, future)))
     return options
 
 
@@ -201,25 +191,6 @@ def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
     step is a millisecond; on a busy one it is a decode step of the batch there (measured under a multi-turn load:
     local turns reading their own hold took about a decode step longer than turns using the prefix cache alone)."""
     return 0.0 if target.idle else READ_STEPS * cost.decode_step_ms
-
-
-def _later_turn_ms(target: ReplicaView, context_tokens: int, cost: CostModel) -> float:
-    """A later turn of a conversation living on `target` (its history, `context_tokens`, cached there) as a local
-    turn is estimated, in the state its later turns will find: its new tokens as recent continuations' were, slowed
-    by the engines beside it that other conversations keep busy (`ReplicaView.loaded_neighbours`), with the
-    measured error of local turns on such a node, after a decode step of the batch there if other conversations keep
-    `target` itself decoding.
-
-    On a node whose engines share its cores, an engine's own traffic costs its later turns a step, and a loaded
-    neighbour costs them the slowdown of their whole prefill, fixed cost included (later turns on the quieter of two
-    busy engines measured 40-70 ms slower than on the busier one, the busier one's decode step included: stop 35's
-    quick multi-turn runs, `requests[]`). It is what a conversation alone on the quieter engine gains by moving to
-    the busier one, and nothing where both engines keep other traffic."""
-    new_tokens = round(cost.typical_new_tokens or LATER_TURN_TOKENS)
-    loaded = target.loaded_neighbours
-    ms = cost.recompute_ms(new_tokens, context_tokens, loaded, target.replica_id)
-    ms += cost.step_ms(target.load) if target.arrival_rate > 0 else 0.0
-    return cost.error.corrected(Mode.LOCAL, loaded, ms)
 
 
 def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel, future: float) -> float:
