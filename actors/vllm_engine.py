@@ -8,6 +8,7 @@ vLLM is imported only inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from actors.engine_site import EngineSite, engine_process_env
 from configs.engine import EngineConfig
 from configs.models import CPU_ATTENTION_HEAD_SIZES
 from kvtransfer.connector import kv_transfer_config
+
+logger = logging.getLogger(__name__)
 
 
 def check_platform_limits(config: EngineConfig, model_path: Path, device_type: str) -> None:
@@ -38,6 +41,25 @@ def check_platform_limits(config: EngineConfig, model_path: Path, device_type: s
         )
 
 
+# CPU flags (/proc/cpuinfo) of instructions that compute bf16 natively: x86's AVX512-BF16 and AMX, Arm's BF16.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this machine's CPU computes bf16 natively (`cpuinfo`: the text of /proc/cpuinfo, read if None). True
+    where that cannot be read: the model's recommended dtype stays."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return bool(NATIVE_BF16_FLAGS & set(value.split()))
+    return True
+
+
 def quiet_holds(config: EngineConfig, device_type: str) -> bool:
     """Whether the engine runs `QuietHoldsScheduler`: on CPU (where vLLM always schedules synchronously, which
     that Scheduler subclass assumes) whenever it exports holds."""
@@ -55,9 +77,13 @@ def start_engine(
     from actors.lean_engine import IN_PROCESS_EXECUTOR, QUIET_HOLDS_SCHEDULER
 
     events = site.events_endpoints
+    dtype = config.engine_dtype(device_type != "cpu" or cpu_has_native_bf16())
+    if config.dtype is None and dtype != config.facts.dtype:
+        logger.warning("running %s in %s, not its recommended %s: this CPU has no native %s", config.model, dtype,
+                       config.facts.dtype, config.facts.dtype)
     args = AsyncEngineArgs(
         model=str(model_path),
-        dtype=config.dtype,
+        dtype=dtype,
         max_model_len=config.max_model_len,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         block_size=config.block_size,

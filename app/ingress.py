@@ -119,7 +119,9 @@ class Ingress:
         if not self.api_keys:
             logger.warning("no API keys configured: every endpoint is open to anyone who can reach it "
                            "(set openai.api_keys or %s)", API_KEYS_FILE_ENV)
-        shape = KVShape.from_model_dir(model_dir, engine.dtype, engine.block_size)
+        # The recommended dtype where none is set: the engines may run fp32 instead (a CPU without native bf16), and
+        # then a pull moves twice the bytes priced here, which the pull fit, measured at start-up, absorbs.
+        shape = KVShape.from_model_dir(model_dir, engine.engine_dtype(), engine.block_size)
         self.directory = directory
         self.mirror = DirectoryMirror(directory, engine.block_size)
         self.mirror.start()

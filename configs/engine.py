@@ -69,7 +69,8 @@ class EngineConfig(BaseModel):
 
     # A preset name (configs/models.py), a local HF model directory, or a HF repo id in the local HF cache.
     model: str = DEFAULT_MODEL
-    # None: the preset's recommended dtype (fp32 for the random test models, bf16 for real ones).
+    # None: the model's recommended dtype (fp32 for the random test models, bf16 for real ones), except that a
+    # recommended bf16 runs as fp32 on a CPU that does not compute bf16 natively (`engine_dtype`).
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     max_model_len: int = Field(default=4096, ge=64)
     kv_cache_memory_bytes: int = Field(default=512 * MiB, ge=16 * MiB)
@@ -100,8 +101,6 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         facts = self.facts
-        if self.dtype is None:
-            self.dtype = facts.dtype
         if self.max_model_len > facts.max_model_len:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds what {self.model!r} supports "
@@ -120,6 +119,17 @@ class EngineConfig(BaseModel):
     @property
     def facts(self) -> ModelFacts:
         return model_facts(self.model)
+
+    def engine_dtype(self, native_bf16: bool = True) -> str:
+        """The dtype the engine runs: the configured one; else the model's recommended one, but fp32 for a
+        recommended bf16 where the hardware has no native bf16 (`native_bf16` False: a CPU without AVX512-BF16, AMX
+        or Arm's BF16). There vLLM's CPU kernels convert every bf16 operand: SmolLM2-135M prefilled 512 tokens in
+        12.9 s in bf16 against 2.1 s in fp32 on an AVX2-only AMD EPYC (2 cores, 2026-11-27), where AMX makes bf16
+        about 2.2x faster than fp32."""
+        if self.dtype is not None:
+            return self.dtype
+        recommended = self.facts.dtype
+        return "float32" if recommended == "bfloat16" and not native_bf16 else recommended
 
     @property
     def fast_prefill(self) -> bool:
