@@ -45,19 +45,26 @@ def check_platform_limits(config: EngineConfig, model_path: Path, device_type: s
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this machine's CPU computes bf16 natively (`cpuinfo`: the text of /proc/cpuinfo, read if None). True
-    where that cannot be read: the model's recommended dtype stays."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The CPU's feature flags (`cpuinfo`: the text of /proc/cpuinfo, read if None; x86 names them "flags", Arm
+    "Features"); None where there is none to read."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return True
+            return None
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
         if name.strip() in ("flags", "Features"):
-            return bool(NATIVE_BF16_FLAGS & set(value.split()))
-    return True
+            return set(value.split())
+    return None
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this machine's CPU computes bf16 natively (`cpuinfo` as for `cpu_flags`). True where its flags
+    cannot be read: the model's recommended dtype stays."""
+    flags = cpu_flags(cpuinfo)
+    return flags is None or bool(NATIVE_BF16_FLAGS & flags)
 
 
 def quiet_holds(config: EngineConfig, device_type: str) -> bool:

@@ -124,8 +124,8 @@ class EngineConfig(BaseModel):
         """The dtype the engine runs: the configured one; else the model's recommended one, but fp32 for a
         recommended bf16 where the hardware has no native bf16 (`native_bf16` False: a CPU without AVX512-BF16, AMX
         or Arm's BF16). There vLLM's CPU kernels convert every bf16 operand: SmolLM2-135M prefilled 512 tokens in
-        12.9 s in bf16 against 2.1 s in fp32 on an AVX2-only AMD EPYC (2 cores, 2026-11-27), where AMX makes bf16
-        about 2.2x faster than fp32."""
+        13.6 s in bf16 against 2.2 s in fp32 on an AVX2-only AMD EPYC (2 cores; `benchmarks/cpu_dtype.py`,
+        `cpu_dtype_avx2_epyc.json`), where AMX makes bf16 about 2.2x faster than fp32."""
         if self.dtype is not None:
             return self.dtype
         recommended = self.facts.dtype

@@ -133,7 +133,7 @@ def _processes_of_the_app(serve_pid: int) -> str:
     """Every engine and Ray worker process on this machine with its session, parent and nice value: what a failure
     of the test above needs to be explained."""
     rows = [f"serve run: pid {serve_pid}"]
-    for p in psutil.process_iter(["pid", "ppid", "name", "nice", "status", "create_time"]):
+    for p in psutil.process_iter(["pid", "ppid", "name", "nice", "status"]):
         name = p.info["name"] or ""
         if name.startswith(("VLLM::", "ray::", "raylet", "gcs_server")):
             rows.append(f"{p.info['pid']} ppid {p.info['ppid']} sid {_session_of(p.info['pid'])} nice "
