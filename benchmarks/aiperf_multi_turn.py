@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT
+from benchmarks.common import REPO_ROOT, machine
 from benchmarks.multi_turn import (
     BenchConfig,
     Conversation,
@@ -216,7 +216,7 @@ def main() -> None:
         "policies": policies,
         "runs": runs,
         "targets": targets(policies),
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "machine": machine(),
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(time.time() - started, 1),
     }

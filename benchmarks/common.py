@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shutil
 import socket
 import tempfile
@@ -13,6 +14,23 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict[str, Any]:
+    """What a result was measured on, for its JSON: the same benchmark runs about 10x slower on an AVX2-only CPU than
+    on one with AMX (README, "Known limits"), so figures compare only between runs on the same kind of CPU."""
+    from actors.vllm_engine import cpu_flags, cpu_has_native_bf16
+
+    model = platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                model = value.strip()
+                break
+    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "simd_flags": sorted(f for f in cpu_flags() or () if f.startswith(("avx", "amx")) or f == "bf16"),
+            "native_bf16": cpu_has_native_bf16()}
 
 
 def loopback_ray_env() -> None:

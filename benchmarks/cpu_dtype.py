@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.vllm_engine import cpu_flags, cpu_has_native_bf16
+from benchmarks.common import machine
 from configs.models import DEFAULT_MODEL
 from model_prep.store import model_path
 
@@ -61,9 +60,7 @@ def main() -> None:
         return
     if not args.out:
         parser.error("--out is required")
-    simd = sorted(f for f in cpu_flags() or () if f.startswith(("avx", "amx")) or f == "bf16")
-    result: dict[str, Any] = {"model": DEFAULT_MODEL, "cpu": platform.processor() or platform.machine(),
-                              "simd_flags": simd, "native_bf16": cpu_has_native_bf16(),
+    result: dict[str, Any] = {"model": DEFAULT_MODEL, **machine(),
                               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     for dtype in ("float32", "bfloat16"):
         child = subprocess.run([sys.executable, "-m", "benchmarks.cpu_dtype", "--dtype", dtype, "--lengths",

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import machine, start_app, stop_app
 
 GREEDY_ONE = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 
@@ -181,7 +180,7 @@ def main() -> None:
         stop_app(app)
     result = {
         "model": app.model,
-        "machine": {"cpus": os.cpu_count()},
+        "machine": machine(),
         "reps": reps,
         "points": points,
         "max_regret": max((max(p["regret"], p["regret_off_holder"]) for p in points), default=None),

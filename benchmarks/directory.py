@@ -15,7 +15,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 from actors.kv_directory.actor import KVDirectoryActor
 from actors.kv_directory.index import KVDirectory
 from actors.prefix_hash import PrefixKey, Scope
+from benchmarks.common import machine
 from kvtransfer.types import Hold
 
 SCOPE = Scope("bench-model", "bench-tenant")
@@ -293,9 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "lookup_inproc_ops_s>=100000": figures.get("lookup_inproc_ops_s", 0) >= 100_000,
         "lookup_ray_ms_p50<1": figures.get("lookup_ray_ms_p50", float("inf")) < 1.0,
     }
-    figures["machine"] = {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
+    figures["machine"] = machine() | {
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.time() - started, 1),

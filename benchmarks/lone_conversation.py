@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.replica_api import Sampling
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import machine, start_app, stop_app
 
 
 async def run(app: Any, turns: int) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     app = start_app()
     try:
-        figures = asyncio.run(run(app, args.turns))
+        figures = asyncio.run(run(app, args.turns)) | {"machine": machine()}
     finally:
         stop_app(app)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,16 +20,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
+
+from benchmarks.common import machine
 
 POLICIES = ("round_robin", "session", "prefix_affinity", "fixed_threshold", "kvrelay")
 
@@ -513,7 +513,7 @@ def main() -> None:
         "targets": targets(summaries),
         "cost_model": ingress_stats and ingress_stats["cost_model"],
         "planner_counters": ingress_stats and ingress_stats["counters"],
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "machine": machine(),
         "serve_mode": args.serve_mode if app is not None else None,
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(time.time() - started, 1),

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import machine, start_app, stop_app
 from benchmarks.multi_turn import QUICK, BenchConfig, benchmark, synthetic_conversations, word_pool
 
 ENGINE = {"max_model_len": 4096, "kv_cache_memory_bytes": 512 * 1024**2}
@@ -105,6 +105,7 @@ def main() -> None:
         "planner": planner,
         "workload": config.model_dump(exclude={"policies"}),
         "serve_mode": args.serve_mode,
+        "machine": machine(),
         "seconds": round(time.time() - started),
         # Every turn of every mode (client-side TTFT, the ingress's own, the mode and replica it ran with).
         "requests": requests,

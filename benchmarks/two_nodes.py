@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import machine
 
 GREEDY_ONE = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 FOLLOW_UP = 32
@@ -133,7 +134,7 @@ def main() -> None:
     across = across_nodes(model, engine, lengths, reps)
     result = {
         "model": model,
-        "machine": {"cpus": os.cpu_count()},
+        "machine": machine(),
         "follow_up_tokens": FOLLOW_UP,
         "within_node": within,
         "across_nodes": across,
