@@ -45,9 +45,9 @@ def check_platform_limits(config: EngineConfig, model_path: Path, device_type: s
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
-    """The CPU's feature flags (`cpuinfo`: the text of /proc/cpuinfo, read if None; x86 names them "flags", Arm
-    "Features"); None where there is none to read."""
+def cpuinfo_field(names: tuple[str, ...], cpuinfo: str | None = None) -> str | None:
+    """The value of the first line of /proc/cpuinfo (or of the text `cpuinfo`) named one of `names`; None where
+    there is none to read."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -55,9 +55,16 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
             return None
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return set(value.split())
+        if name.strip() in names:
+            return value.strip()
     return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The CPU's feature flags (`cpuinfo` as for `cpuinfo_field`; x86 names them "flags", Arm "Features"); None
+    where there is none to read."""
+    value = cpuinfo_field(("flags", "Features"), cpuinfo)
+    return None if value is None else set(value.split())
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:

@@ -19,16 +19,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def machine() -> dict[str, Any]:
     """What a result was measured on, for its JSON: the same benchmark runs about 10x slower on an AVX2-only CPU than
     on one with AMX (README, "Known limits"), so figures compare only between runs on the same kind of CPU."""
-    from actors.vllm_engine import cpu_flags, cpu_has_native_bf16
+    from actors.vllm_engine import cpu_flags, cpu_has_native_bf16, cpuinfo_field
 
-    model = platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() == "model name":
-                model = value.strip()
-                break
-    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(),
+    return {"cpu": cpuinfo_field(("model name",)) or platform.machine(), "cpus": os.cpu_count(),
+            "python": platform.python_version(),
             "simd_flags": sorted(f for f in cpu_flags() or () if f.startswith(("avx", "amx")) or f == "bf16"),
             "native_bf16": cpu_has_native_bf16()}
 
