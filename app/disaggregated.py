@@ -78,7 +78,7 @@ class DisaggregatedTurnRunner(TurnRunner):
                 yield delta
             return
         # The plan estimated P's time to its token (where the history came from decides it): learn its error.
-        self._observe_error(plan, pull, outcome, force)
+        self._observe_error(turn, plan, pull, outcome, force)
         first = [t for d in prefilled for t in d.token_ids]
         reused = prefilled[-1].num_cached_tokens
         # P's token is the turn's first: the client gets it now, not after the handoff. The turn ends there if P

@@ -35,6 +35,7 @@ from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, Repl
 from app.recent_prompts import RecentPrompts
 from app.responses import caused_by
 from configs.app import Policy
+from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
 from kvtransfer.planner import Mode, PeerLoad, Plan, ReplicaView, plan_turn, reads_hold
@@ -439,18 +440,24 @@ class TurnRunner:
                                              outcome, started):
                 yield delta
         else:
-            self._after_response(self._learn_outcome(plan, pull, outcome, force))
+            self._after_response(self._learn_outcome(turn, plan, pull, outcome, force))
 
-    async def _learn_outcome(self, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
+    async def _learn_outcome(self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
                              force: tuple[Mode, str] | None) -> None:
-        if self._observe_error(plan, pull, outcome, force):
+        # The calibration sets its turns' output length (1 or 256 tokens): they say nothing of how long turns decode.
+        if self._observe_error(turn, plan, pull, outcome, force) and turn.tenant != CALIBRATION_TENANT:
             self.cost.observe_output(outcome.completion_tokens)  # how long turns decode
 
-    def _observe_error(self, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
+    def _observe_error(self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
                        force: tuple[Mode, str] | None) -> bool:
-        """If the turn's first stage ran as planned (not forced, not moved, no failed or skipped read), teach the
-        planner how far off its estimate of that stage's time to first token was; returns whether it did."""
-        if (force is None and not outcome.migrations and not outcome.pull_failed and outcome.ttft_ms is not None
+        """If the turn's first stage ran as planned (no failed or skipped read, not moved, and not forced unless the
+        start-up calibration forced it), teach the planner how far off its estimate of that stage's time to first
+        token was; returns whether it did.
+
+        The calibration's forced turns are real turns of each mode on idle or busy engines: they teach the error too,
+        so an app's first turns are already corrected."""
+        planned = force is None or turn.tenant == CALIBRATION_TENANT
+        if (planned and not outcome.migrations and not outcome.pull_failed and outcome.ttft_ms is not None
                 and (pull is not None or not reads_hold(plan))):
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
             return True

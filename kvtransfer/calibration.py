@@ -64,17 +64,21 @@ async def calibrate(
         async def turn(token_ids: list[int], force: tuple[str, str]) -> Any:
             return await run_turn(token_ids, ONE_TOKEN, force, tenant=CALIBRATION_TENANT)
 
-        async def pull_after_recompute(n: int, holder: str, puller: str) -> None:
+        async def pull_after_recompute(n: int, holder: str, puller: str, local: bool = True) -> None:
             history = [rng.randrange(100, vocab) for _ in range(n)]
             first = await turn(history, ("recompute", holder))
             follow_up = history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)]
             await turn(follow_up, ("pull", puller))
+            if local:
+                # The same follow-up where its history is cached, as most later turns run: a short prefill on a
+                # long context.
+                await turn(follow_up, ("local", holder))
 
         if len(ids) > 1:
             # The first pull between two engines includes NIXL's handshake (hundreds of ms, once per
             # pair and direction): make those now and keep them out of the fit.
-            await pull_after_recompute(64, ids[0], ids[1])
-            await pull_after_recompute(64, ids[1], ids[0])
+            await pull_after_recompute(64, ids[0], ids[1], local=False)
+            await pull_after_recompute(64, ids[1], ids[0], local=False)
             cost.learn_handshake()
         for n in lengths:
             if len(ids) > 1:
