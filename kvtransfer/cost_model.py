@@ -76,8 +76,12 @@ class EstimateError:
     """Measured minus estimated time to first token per kind of option, over a sliding window (mutates on observe).
 
     Additive, because most of what the fits leave out is a fixed cost per request (Serve's hops, scheduling)
-    that a ratio would inflate on short turns. A kind with too few samples of its own takes the median over all
-    kinds, so a rarely chosen option is not made to look cheaper than the ones whose overhead has been measured.
+    that a ratio would inflate on short turns. A kind with too few samples of its own takes the median over the kinds
+    of its pool (alone on the node, or beside a busy peer), else over all kinds, so a rarely chosen option is not made
+    to look cheaper than the ones whose overhead has been measured. Pools, because a turn beside a busy peer also
+    carries the contention fit's miss: on the tiny test model after the start-up calibration, local turns (3 samples)
+    took the median over all kinds, 46 ms, against 37 for recompute alone (its own 15 samples), so staying where the
+    history is cached looked 9 ms dearer than it was.
     """
 
     MIN_SAMPLES = 8
@@ -86,8 +90,10 @@ class EstimateError:
         self.window = window
         self._errors: dict[str, deque[float]] = {}
         self._all: deque[float] = deque(maxlen=window)
+        self._pools: dict[bool, deque[float]] = {busy: deque(maxlen=window) for busy in (False, True)}
         # Medians, refreshed on observe (once per turn) so that planning only reads them.
         self._offsets: dict[str, float] = {}
+        self._pool_offsets: dict[bool, float] = {}
         self._overall = 0.0
 
     @staticmethod
@@ -97,26 +103,32 @@ class EstimateError:
     def observe(self, mode: str, busy_peers: int, estimate_ms: float, measured_ms: float) -> None:
         if estimate_ms <= 0 or measured_ms <= 0:
             return
-        kind = self.kind(mode, busy_peers)
-        errors = self._errors.setdefault(kind, deque(maxlen=self.window))
-        errors.append(measured_ms - estimate_ms)
-        self._all.append(measured_ms - estimate_ms)
+        kind, busy = self.kind(mode, busy_peers), busy_peers > 0
+        error = measured_ms - estimate_ms
         # statistics.median: numpy's converts the deque and checks for NaNs first, ten times the cost for 64 floats.
-        if len(errors) >= self.MIN_SAMPLES:
-            self._offsets[kind] = statistics.median(errors)
+        for errors, offsets, key in ((self._errors.setdefault(kind, deque(maxlen=self.window)), self._offsets, kind),
+                                     (self._pools[busy], self._pool_offsets, busy)):
+            errors.append(error)
+            if len(errors) >= self.MIN_SAMPLES:
+                offsets[key] = statistics.median(errors)
+        self._all.append(error)
         if len(self._all) >= self.MIN_SAMPLES:
             self._overall = statistics.median(self._all)
 
     def offset_ms(self, mode: str, busy_peers: int) -> float:
-        return self._offsets.get(self.kind(mode, busy_peers), self._overall)
+        return self._offset(self.kind(mode, busy_peers))
+
+    def _offset(self, kind: str) -> float:
+        if kind in self._offsets:
+            return self._offsets[kind]
+        return self._pool_offsets.get(kind.endswith("_busy_node"), self._overall)
 
     def corrected(self, mode: str, busy_peers: int, estimate_ms: float) -> float:
         """`estimate_ms` plus the measured error of its kind; never below half the fits' estimate."""
         return max(estimate_ms / 2, estimate_ms + self.offset_ms(mode, busy_peers))
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {k: {"offset_ms": round(self._offsets.get(k, self._overall), 2), "samples": len(v)}
-                for k, v in sorted(self._errors.items())}
+        return {k: {"offset_ms": round(self._offset(k), 2), "samples": len(v)} for k, v in sorted(self._errors.items())}
 
 
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:

@@ -682,3 +682,20 @@ def test_a_replica_that_works_beside_a_busy_one_teaches_the_slowdown_not_a_slowe
     assert cost.speed_factor("e") == cost.speed_factor("d")
     # (Taken at the fit's face value, "e" would teach 0.11.)
     assert cost.slowdown(1) == pytest.approx(1.3, rel=0.1)
+
+
+def test_an_option_without_its_own_error_samples_pays_what_its_pool_measured():
+    cost = calibrated(prefill_ms_per_token=0.3)
+    # As after the start-up calibration: many recomputes alone on the node (10 ms over), many beside a busy peer
+    # (the contention fit's miss on top: 60 ms over), three local turns.
+    for _ in range(cost.error.MIN_SAMPLES):
+        cost.error.observe(Mode.RECOMPUTE, 0, 100.0, 110.0)
+    for _ in range(12):
+        cost.error.observe(Mode.RECOMPUTE, 1, 100.0, 160.0)
+    for _ in range(3):
+        cost.error.observe(Mode.LOCAL, 0, 20.0, 25.0)
+    # A local turn alone on the node is charged what turns alone measured (the median over all would be 60 ms),
+    # and a pull beside a busy peer what turns beside one measured.
+    assert cost.error.offset_ms(Mode.LOCAL, 0) == 10.0
+    assert cost.error.offset_ms(Mode.PULL, 1) == 60.0
+    assert cost.snapshot()["estimate_error"]["local"] == {"offset_ms": 10.0, "samples": 3}
