@@ -136,11 +136,20 @@ def _processes_of_the_app(serve_pid: int) -> str:
     """Every engine and Ray worker process on this machine with its session, parent and nice value: what a failure
     of the test above needs to be explained."""
     rows = [f"serve run: pid {serve_pid}"]
-    for p in psutil.process_iter(["pid", "ppid", "name", "nice", "status"]):
+    listed: set[int] = set()
+    processes = list(psutil.process_iter(["pid", "ppid", "name", "nice", "status", "cmdline"]))
+    for p in processes:
         name = p.info["name"] or ""
         if name.startswith(("VLLM::", "ray::", "raylet", "gcs_server")):
+            listed.add(p.info["pid"])
+    # And every child of those, whatever its name: CI of stop 38 showed a replica's engine logging under a pid that
+    # this listing, filtered by name, left out, so the missing engine runs under some other name.
+    listed |= {p.info["pid"] for p in processes if p.info["ppid"] in listed}
+    for p in processes:
+        if p.info["pid"] in listed:
+            command = " ".join(p.info["cmdline"] or [])[:120]
             rows.append(f"{p.info['pid']} ppid {p.info['ppid']} sid {_session_of(p.info['pid'])} nice "
-                        f"{p.info['nice']} {p.info['status']} {name}")
+                        f"{p.info['nice']} {p.info['status']} {p.info['name']} | {command}")
     return "\n".join(rows)
 
 
