@@ -85,6 +85,7 @@ class EstimateError:
     """
 
     MIN_SAMPLES = 8
+    BUSY_NODE = "_busy_node"  # a kind's suffix beside a busy peer
 
     def __init__(self, window: int = 64) -> None:
         self.window = window
@@ -98,7 +99,7 @@ class EstimateError:
 
     @staticmethod
     def kind(mode: str, busy_peers: int) -> str:
-        return f"{mode}_busy_node" if busy_peers > 0 else mode
+        return f"{mode}{EstimateError.BUSY_NODE}" if busy_peers > 0 else mode
 
     def observe(self, mode: str, busy_peers: int, estimate_ms: float, measured_ms: float) -> None:
         if estimate_ms <= 0 or measured_ms <= 0:
@@ -121,7 +122,7 @@ class EstimateError:
     def _offset(self, kind: str) -> float:
         if kind in self._offsets:
             return self._offsets[kind]
-        return self._pool_offsets.get(kind.endswith("_busy_node"), self._overall)
+        return self._pool_offsets.get(kind.endswith(self.BUSY_NODE), self._overall)
 
     def corrected(self, mode: str, busy_peers: int, estimate_ms: float) -> float:
         """`estimate_ms` plus the measured error of its kind; never below half the fits' estimate."""
