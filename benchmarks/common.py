@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
 import os
 import platform
+import shlex
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -18,13 +23,58 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def machine() -> dict[str, Any]:
     """What a result was measured on, for its JSON: the same benchmark runs about 10x slower on an AVX2-only CPU than
-    on one with AMX (README, "Known limits"), so figures compare only between runs on the same kind of CPU."""
+    on one with AMX, so figures compare only between runs on the same kind of CPU."""
     from actors.vllm_engine import cpu_flags, cpu_has_native_bf16, cpuinfo_field
 
     return {"cpu": cpuinfo_field(("model name",)) or platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "simd_flags": sorted(f for f in cpu_flags() or () if f.startswith(("avx", "amx")) or f == "bf16"),
             "native_bf16": cpu_has_native_bf16()}
+
+
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def command_line() -> str:
+    """This process's command as a reader would type it: `python -m benchmarks.NAME ARGS` for a module run."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
+def provenance() -> dict[str, Any]:
+    """Where a result came from, for its JSON: the commit, whether tracked code differed from it (changes under
+    benchmarks/results/ do not count: earlier runs write there), the command line, the date and the machine."""
+    changed = _git("status", "--porcelain", "--untracked-files=no")
+    dirty_paths = None if changed is None else [
+        line[3:] for line in changed.splitlines() if not line[3:].startswith("benchmarks/results/")]
+    return {
+        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "dirty": None if dirty_paths is None else bool(dirty_paths),
+        "dirty_paths": (dirty_paths or [])[:20],
+        "command": command_line(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+    }
+
+
+def write_result(out: Path | str, result: dict[str, Any], **dumps: Any) -> dict[str, Any]:
+    """Write a benchmark's result as JSON at `out` with its provenance; returns what was written. Every benchmark
+    saves through here, so every results file says which code, command and machine produced it."""
+    out = Path(out)
+    written = {**result, "provenance": provenance()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(written, indent=2, **dumps) + "\n")
+    return written
 
 
 def loopback_ray_env() -> None:

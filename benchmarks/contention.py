@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.replica_api import Sampling
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import start_app, stop_app, write_result
 
 LENGTHS = (256, 1024)
 PEER_STREAMS = (0, 1, 4)
@@ -74,8 +74,7 @@ def main() -> None:
         figures = asyncio.run(run(app, measured, busy, args.repeats))
     finally:
         stop_app(app)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     print(json.dumps({k: v for k, v in figures.items() if k != "fit_after"}, indent=2))
     print(f"written {args.out}")
 

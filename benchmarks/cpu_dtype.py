@@ -17,10 +17,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine
+from benchmarks.common import machine, write_result
 from configs.models import DEFAULT_MODEL
 from model_prep.store import model_path
 
@@ -73,7 +72,7 @@ def main() -> None:
     result["bf16_over_fp32_prefill"] = round(result["bfloat16"]["prefill_ms"][longest]
                                              / result["float32"]["prefill_ms"][longest], 2)
     print(json.dumps(result, indent=2))
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

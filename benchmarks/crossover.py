@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, start_app, stop_app
+from benchmarks.common import machine, start_app, stop_app, write_result
 
 GREEDY_ONE = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 
@@ -188,8 +188,7 @@ def main() -> None:
         "cost_model": cost,
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     if points:
         plot(points, args.out.with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("max_regret",)}), "written", args.out)

@@ -27,7 +27,7 @@ from typing import Any
 from actors.kv_directory.actor import KVDirectoryActor
 from actors.kv_directory.index import KVDirectory
 from actors.prefix_hash import PrefixKey, Scope
-from benchmarks.common import machine
+from benchmarks.common import machine, write_result
 from kvtransfer.types import Hold
 
 SCOPE = Scope("bench-model", "bench-tenant")
@@ -298,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.time() - started, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     print(json.dumps(figures, indent=2))
     return 0
 

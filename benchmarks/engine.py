@@ -22,6 +22,7 @@ import psutil
 
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, Sampling
+from benchmarks.common import write_result
 from configs.engine import EngineConfig, NixlSettings
 from configs.models import DEFAULT_MODEL, get_preset
 
@@ -151,8 +152,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args()
     figures = asyncio.run(main_async(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     print(json.dumps(figures, indent=2))
 
 

@@ -30,7 +30,7 @@ import psutil
 
 from actors.replica_api import Sampling
 from actors.vllm_engine import engine_threads
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import start_app, stop_app, write_result
 
 PAIRS_PER_BLOCK = 10
 STREAMS_PER_ENGINE = 2
@@ -110,8 +110,7 @@ def main() -> None:
         figures = asyncio.run(run(app, identities, args.blocks))
     finally:
         stop_app(app)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     print(json.dumps(figures, indent=2))
     print(f"written {args.out}")
 

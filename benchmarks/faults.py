@@ -40,7 +40,7 @@ import httpx
 import psutil
 
 from actors.replica_api import Sampling
-from benchmarks.common import BenchApp, start_app, stop_app
+from benchmarks.common import BenchApp, start_app, stop_app, write_result
 
 MODEL = "tiny-llama"
 HOLD_TTL_S = 12.0
@@ -268,8 +268,7 @@ def main() -> None:
     figures["leaked_processes"] = len(leaked)
     for pid in leaked:  # ours: started by this run's app
         os.kill(pid, signal.SIGKILL)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     print(json.dumps({k: v for k, v in figures.items() if k != "runs"}, indent=2))
 
 

@@ -33,6 +33,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from actors.replica_api import GenerateDelta
 from app.frontend import Frontend, parse_request
 from app.prompt_tokens import VERIFY_FIRST
+from benchmarks.common import write_result
 from configs.app import OpenAISettings
 from configs.models import DEFAULT_MODEL
 from model_prep.store import model_path
@@ -157,8 +158,7 @@ def main() -> None:
     figures |= {"overhead_request_ms_p50": {"back_to_back": warm, f"pause_{args.pause_ms:g}_ms": cold},
                 "overhead_request_cold_vs_warm": round(sum(cold.values()) / sum(warm.values()), 2)}
     print(json.dumps(figures, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import httpx
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from benchmarks.common import write_result
+
 # Values of every JSON type, weighted towards the edges a validator must catch.
 SCALARS = st.one_of(
     st.none(), st.booleans(),
@@ -224,8 +226,7 @@ def main() -> None:
     result = {"n": args.n, "seed": args.seed, "model": args.model, **report.summary(),
               "healthy_and_same_answer_after": True}
     print(json.dumps(result, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.replica_api import Sampling
-from benchmarks.common import machine, start_app, stop_app
+from benchmarks.common import machine, start_app, stop_app, write_result
 
 
 async def run(app: Any, turns: int) -> dict[str, Any]:
@@ -57,8 +57,7 @@ def main() -> None:
         figures = asyncio.run(run(app, args.turns)) | {"machine": machine()}
     finally:
         stop_app(app)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2, default=float) + "\n")
+    write_result(args.out, figures, default=float)
     print(json.dumps({k: v for k, v in figures.items() if k != "turns"}, indent=2, default=float))
 
 

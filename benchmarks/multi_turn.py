@@ -29,7 +29,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from benchmarks.common import machine
+from benchmarks.common import machine, write_result
 
 POLICIES = ("round_robin", "session", "prefix_affinity", "fixed_threshold", "kvrelay")
 
@@ -526,8 +526,7 @@ def main() -> None:
 
 def write_results(out: Path, result: dict[str, Any], table: str) -> None:
     """The JSON at `out` and the markdown table beside it (.md); prints the table and the targets."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     out.with_suffix(".md").write_text(table)
     print(table)
     print(json.dumps(result["targets"], indent=2))

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from actors.replica_api import GenerateRequest, Sampling
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import start_app, stop_app, write_result
 from configs.app import Policy
 
 
@@ -252,8 +252,7 @@ def main() -> None:
     # Throughput-optimized mode talks gRPC between deployments unless RAY_SERVE_USE_GRPC_BY_DEFAULT=0.
     grpc_default = "1" if args.serve_mode == "throughput_optimized" else "0"
     figures["grpc_between_deployments"] = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT", grpc_default) == "1"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     print(json.dumps(figures, indent=2))
 
 

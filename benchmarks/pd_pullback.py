@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine, start_app, stop_app
+from benchmarks.common import machine, start_app, stop_app, write_result
 from benchmarks.multi_turn import QUICK, BenchConfig, benchmark, synthetic_conversations, word_pool
 
 ENGINE = {"max_model_len": 4096, "kv_cache_memory_bytes": 512 * 1024**2}
@@ -110,8 +110,7 @@ def main() -> None:
         # Every turn of every mode (client-side TTFT, the ingress's own, the mode and replica it ran with).
         "requests": requests,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     args.out.with_suffix(".md").write_text(table(results) + "\n")
     print(table(results))
     print(json.dumps(figures["ratios_p50"], indent=2))

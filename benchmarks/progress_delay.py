@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import start_app, stop_app, write_result
 from benchmarks.crossover import GREEDY_ONE
 from benchmarks.scaling import CoreMeter, process_kinds
 
@@ -93,8 +93,7 @@ def main() -> None:
     result = {"runs": runs, "summary": summary, "histories": HISTORIES, "delta": DELTA, "reps": args.reps,
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(json.dumps(summary, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

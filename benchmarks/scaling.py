@@ -20,12 +20,11 @@ import json
 import random
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from benchmarks.common import start_app, stop_app
+from benchmarks.common import start_app, stop_app, write_result
 
 PROMPT_TOKENS = 256
 OUTPUT_TOKENS = 64
@@ -181,8 +180,7 @@ def main() -> None:
     finally:
         stop_app(app)
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

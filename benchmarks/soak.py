@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.common import BenchApp, start_app, stop_app
+from benchmarks.common import BenchApp, start_app, stop_app, write_result
 
 TOKENS = 32
 
@@ -177,8 +177,7 @@ def main() -> None:
         figures = soak(app, args.minutes, args.clients)
     finally:
         stop_app(app)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    write_result(args.out, figures)
     print(json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=2))
 
 

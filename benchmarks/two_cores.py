@@ -18,12 +18,12 @@ torch runs one thread per process, as a replica's engine does on its core.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import time
-from pathlib import Path
 from typing import Any
+
+from benchmarks.common import write_result
 
 WEIGHT_PARAMS = 135_000_000
 DECODE_BATCH = 8
@@ -91,8 +91,7 @@ def main() -> None:
         }
         print(f"{kind:8s} one process {alone:9.2f}/s  two at once {both[0]:9.2f} + {both[1]:9.2f}/s  "
               f"together {sum(both) / alone:.2f}x one", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine
+from benchmarks.common import machine, write_result
 
 GREEDY_ONE = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 FOLLOW_UP = 32
@@ -147,12 +146,10 @@ def main() -> None:
         "seconds": round(time.monotonic() - started),
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    text = json.dumps(result, indent=2) + "\n"
     if args.out == "-":
-        print(text)
+        print(json.dumps(result, indent=2))
         return
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("pull_fixed_ms", "pull_bandwidth_gb_s", "crossover_history")}),
           "written", args.out)
 
