@@ -1,7 +1,7 @@
 """What the engine dtype costs on this machine's CPU: the default model's prefill and decode in fp32 and in bf16,
 one engine at a time, and whether the CPU computes bf16 natively (what `EngineConfig.engine_dtype` decides by).
 
-    python -m benchmarks.cpu_dtype --out benchmarks/results/cpu_dtype_avx2_epyc.json
+    python -m benchmarks.cpu_dtype --out benchmarks/results/cpu_dtype.json
 
 Each dtype, in a process of its own: one vLLM engine (eager, prefix caching off, so every prefill computes), a
 warm-up prefill, then the median of `--reps` prefills of each length (max_tokens=1 on fresh token ids) and one

@@ -285,7 +285,7 @@ class CostModel:
         `index` per turn at `index` is how many more a conversation that got this far went on to bring. A
         conversation's last turn brings none: priced as if it went on like an average one, the last turns of
         long conversations pulled their 3.5k-token histories to the busier engine for turns that never came
-        (benchmarks/results/multi_turn_long_history_own_traffic.json: eight pulls, 370-505 ms against ~250 for
+        (a long-history multi-turn run, commit 64aa5ff: eight pulls, 370-505 ms against ~250 for
         staying). Without `index`, or before MIN_PLACED_TURNS turns of known place: from the share c of turns that
         continue a conversation, as if every turn were as likely to be the last: with conversations of T turns on
         average, c = (T - 1) / T, so T - 1 = c / (1 - c). One-shot traffic (c = 0) brings none."""

@@ -513,7 +513,7 @@ def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
 
     n = 1024
     # Prefills 1.3x slower beside a busy engine, a 58 ms decode step: today's quick multi-turn workload measured
-    # 0.28 and 58.4 (benchmarks/results/multi_turn_quick_paired_contention_3.json, `cost_model`).
+    # 0.28 and 58.4 (a run committed in 91af383, its `cost_model`).
     cost = contended(0.3)
     cost.decode_step_ms = 58.0
     for _ in range(12):
