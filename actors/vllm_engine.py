@@ -81,6 +81,45 @@ def quiet_holds(config: EngineConfig, device_type: str) -> bool:
     return device_type == "cpu" and nixl.enabled and nixl.bidirectional and nixl.hold_step_s > 0
 
 
+def engine_args(
+    config: EngineConfig, model_path: Path, site: EngineSite, device_type: str, native_bf16: bool = True
+) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs` for this replica's engine on `device_type` ("cpu", "cuda", ...), as keyword
+    arguments (pure: nothing starts, no device is needed). `native_bf16`: whether a CPU computes bf16 natively
+    (`engine_dtype`)."""
+    from actors.lean_engine import IN_PROCESS_EXECUTOR, QUIET_HOLDS_SCHEDULER
+
+    events = site.events_endpoints
+    cpu = device_type == "cpu"
+    return {
+        "model": str(model_path),
+        "dtype": config.engine_dtype(not cpu or native_bf16),
+        "max_model_len": config.max_model_len,
+        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+        **({} if cpu else {"gpu_memory_utilization": config.gpu_memory_utilization}),
+        "block_size": config.block_size,
+        "enforce_eager": config.enforce_eager,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "kv_sharing_fast_prefill": config.fast_prefill,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "seed": config.seed,
+        "kv_transfer_config": (
+            kv_transfer_config(config.nixl, site.engine_id, device_type) if config.nixl.enabled else None
+        ),
+        "worker_extension_cls": "actors.worker_extension.KVRelayWorkerExtension",
+        "distributed_executor_backend": IN_PROCESS_EXECUTOR if cpu and not config.separate_worker_process else None,
+        "scheduler_cls": QUIET_HOLDS_SCHEDULER if quiet_holds(config, device_type) else None,
+        "kv_events_config": (
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0], "replay_endpoint": events[1]}
+            if events is not None
+            else None
+        ),
+        # vLLM's periodic log lines off; the replica's stat logger still receives every step's stats.
+        "disable_log_stats": True,
+    }
+
+
 def start_engine(
     config: EngineConfig, model_path: Path, site: EngineSite, device_type: str, stat_logger: Callable[..., Any]
 ) -> Any:
@@ -88,43 +127,12 @@ def start_engine(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from actors.lean_engine import IN_PROCESS_EXECUTOR, QUIET_HOLDS_SCHEDULER
-
-    events = site.events_endpoints
-    dtype = config.engine_dtype(device_type != "cpu" or cpu_has_native_bf16())
-    if config.dtype is None and dtype != config.facts.dtype:
-        logger.warning("running %s in %s, not its recommended %s: this CPU has no native %s", config.model, dtype,
-                       config.facts.dtype, config.facts.dtype)
-    args = AsyncEngineArgs(
-        model=str(model_path),
-        dtype=dtype,
-        max_model_len=config.max_model_len,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        block_size=config.block_size,
-        enforce_eager=config.enforce_eager,
-        enable_prefix_caching=config.enable_prefix_caching,
-        kv_sharing_fast_prefill=config.fast_prefill,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        seed=config.seed,
-        kv_transfer_config=(
-            kv_transfer_config(config.nixl, site.engine_id, device_type) if config.nixl.enabled else None
-        ),
-        worker_extension_cls="actors.worker_extension.KVRelayWorkerExtension",
-        distributed_executor_backend=(
-            IN_PROCESS_EXECUTOR if device_type == "cpu" and not config.separate_worker_process else None
-        ),
-        scheduler_cls=QUIET_HOLDS_SCHEDULER if quiet_holds(config, device_type) else None,
-        kv_events_config=(
-            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0], "replay_endpoint": events[1]}
-            if events is not None
-            else None
-        ),
-        # vLLM's periodic log lines off; the replica's stat logger still receives every step's stats.
-        disable_log_stats=True,
-    )
+    args = engine_args(config, model_path, site, device_type, device_type != "cpu" or cpu_has_native_bf16())
+    if config.dtype is None and args["dtype"] != config.facts.dtype:
+        logger.warning("running %s in %s, not its recommended %s: this CPU has no native %s", config.model,
+                       args["dtype"], config.facts.dtype, config.facts.dtype)
     with engine_process_env(site):
-        return AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger])
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[stat_logger])
 
 
 def engine_process_ids(engine: Any) -> list[int]:

@@ -53,6 +53,16 @@ def autoscaling_config(pool: PoolConfig) -> AutoscalingConfig | None:
     )
 
 
+def replica_actor_options(pool: PoolConfig) -> dict[str, Any]:
+    """Ray's options for each replica of `pool`: its CPUs and GPUs, accelerator type and environment variables."""
+    options: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
+    if pool.accelerator_type is not None:
+        options["accelerator_type"] = pool.accelerator_type
+    if pool.runtime_env.env_vars:
+        options["runtime_env"] = {"env_vars": dict(pool.runtime_env.env_vars)}
+    return options
+
+
 def engine_deployment(
     name: str, pool: PoolConfig, directory: Application, config: AppConfig, hold_key: str
 ) -> Application:
@@ -66,7 +76,7 @@ def engine_deployment(
         **size,
         max_ongoing_requests=pool.max_ongoing_requests,
         max_queued_requests=pool.max_queued_requests,
-        ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        ray_actor_options=replica_actor_options(pool),
         **({"max_replicas_per_node": pool.max_replicas_per_node} if pool.max_replicas_per_node else {}),
         request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
         health_check_period_s=10,
@@ -98,10 +108,10 @@ def directory_deployment(config: AppConfig) -> Application:
 def check_user_model(pool: PoolConfig) -> None:
     """Refuse a user's own model this platform's attention cannot run, before any actor starts (presets are
     checked when they are defined)."""
-    from vllm.platforms import current_platform
-
     facts = pool.engine.facts
     if facts.path is not None:
+        from vllm.platforms import current_platform
+
         check_platform_limits(pool.engine, Path(facts.path), current_platform.device_type)
 
 

@@ -82,6 +82,16 @@ class OpenAISettings(BaseModel):
         return self
 
 
+class RuntimeEnvSettings(BaseModel):
+    """What a pool's Ray runtime environment may set: environment variables of its replicas, which the engine
+    processes they start inherit (e.g. UCX's transports for NIXL). Other runtime_env fields (pip, conda, working_dir,
+    ...) would give the replicas another environment than the ingress's and are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env_vars: dict[str, str] = Field(default_factory=dict)
+
+
 class PoolConfig(BaseModel):
     """One Serve deployment of identical engine replicas."""
 
@@ -95,6 +105,9 @@ class PoolConfig(BaseModel):
     num_gpus: float = Field(default=0.0, ge=0)
     # At most this many replicas of the pool on one node (Serve's own option), e.g. 1 to spread over nodes.
     max_replicas_per_node: int | None = Field(default=None, ge=1)
+    # Ray's accelerator type each replica needs (e.g. "H100", "A10G": a node offering that GPU); needs num_gpus > 0.
+    accelerator_type: str | None = None
+    runtime_env: RuntimeEnvSettings = Field(default_factory=RuntimeEnvSettings)
     max_ongoing_requests: int = Field(default=32, ge=1)
     # Requests each caller (an ingress replica) queues for this pool beyond those its replicas run; one more gets
     # a 429 with Retry-After at once.
@@ -104,6 +117,8 @@ class PoolConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_start_within_bounds(self) -> PoolConfig:
+        if self.accelerator_type is not None and self.num_gpus == 0:
+            raise ValueError(f"accelerator_type={self.accelerator_type!r} needs num_gpus > 0 (e.g. num_gpus: 1)")
         scale = self.autoscaling
         if scale is not None and not scale.min_replicas <= self.num_replicas <= scale.max_replicas:
             raise ValueError(

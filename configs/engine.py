@@ -73,7 +73,10 @@ class EngineConfig(BaseModel):
     # recommended bf16 runs as fp32 on a CPU that does not compute bf16 natively (`engine_dtype`).
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     max_model_len: int = Field(default=4096, ge=64)
-    kv_cache_memory_bytes: int = Field(default=512 * MiB, ge=16 * MiB)
+    # The KV cache's size. None: on a GPU, what `gpu_memory_utilization` leaves after the weights (vLLM's own sizing).
+    kv_cache_memory_bytes: int | None = Field(default=512 * MiB, ge=16 * MiB)
+    # GPU only: the share of the GPU's memory the engine may use, when kv_cache_memory_bytes is None.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     block_size: int = Field(default=32, ge=16)
     enforce_eager: bool = True
     enable_prefix_caching: bool = True

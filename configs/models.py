@@ -271,6 +271,18 @@ class ModelFacts(BaseModel):
     path: str | None = None
 
 
+# Hugging Face models the shipped GPU configs (configs/gpu_*.yaml) serve, with their config.json's facts, so a config
+# naming one loads and is checked on a machine that has not downloaded it (the weights come at replica start,
+# `model_prep.store.model_path`). Each from the model's config.json on the hub (text_config for Gemma 3n).
+HUB_MODELS: dict[str, ModelFacts] = {
+    # 36 layers, 8 KV heads of 128: 144 KiB of KV per token in bf16.
+    "Qwen/Qwen3-8B": ModelFacts(kv_sharing=False, max_model_len=40960, dtype="bfloat16", head_dim=128),
+    # 35 layers, the last 15 reuse earlier layers' KV (num_kv_shared_layers): vLLM's kv_sharing_fast_prefill applies.
+    # Gated: the hub serves it once the account behind HF_TOKEN has accepted Gemma's terms.
+    "google/gemma-3n-E4B-it": ModelFacts(kv_sharing=True, max_model_len=32768, dtype="bfloat16", head_dim=256),
+}
+
+
 def user_model_dir(model: str) -> Path:
     """The folder of a model that is not a preset: a local HF model directory, or a HF repo id found in the
     local HF cache (resolved offline: nothing is downloaded)."""
@@ -294,10 +306,16 @@ def user_model_dir(model: str) -> Path:
 
 @functools.lru_cache(maxsize=64)
 def model_facts(model: str) -> ModelFacts:
-    """Facts of a preset (by name) or of a user's model (from its config.json)."""
+    """Facts of a preset (by name), of a model in `HUB_MODELS` (from the table, with its folder if it is in the
+    local HF cache), or of a user's model (from its config.json)."""
     if model in MODEL_PRESETS:
         preset = MODEL_PRESETS[model]
         return ModelFacts(kv_sharing=preset.kv_sharing, max_model_len=preset.max_model_len, dtype=preset.dtype)
+    if model in HUB_MODELS:
+        try:
+            return HUB_MODELS[model].model_copy(update={"path": str(user_model_dir(model))})
+        except ValueError:
+            return HUB_MODELS[model]  # not downloaded here yet
     folder = user_model_dir(model)
     config = json.loads((folder / "config.json").read_text())
     text = config.get("text_config") or config

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from configs.models import MODEL_PRESETS, ModelPreset, get_preset, user_model_dir
+from configs.models import HUB_MODELS, MODEL_PRESETS, ModelPreset, get_preset, user_model_dir
 from model_prep.gguf import convert_gguf
 from model_prep.hf_folder import Progress
 from model_prep.random_weights import build_random
@@ -44,10 +44,16 @@ def is_ready(name: str, data_dir: Path | None = None) -> bool:
 
 
 def model_path(model: str) -> Path:
-    """The HF folder an engine loads for `model`: a preset's prepared folder (built first if needed), or the
-    user's own model directory (a local path, or a repo id found in the local HF cache)."""
+    """The HF folder an engine loads for `model`: a preset's prepared folder (built first if needed), a model of
+    `HUB_MODELS` (downloaded into the HF cache unless it is there already or HF_HUB_OFFLINE is set), or the user's own
+    model directory (a local path, or a repo id found in the local HF cache)."""
     if model in MODEL_PRESETS:
         return ensure_model(model)
+    if model in HUB_MODELS:
+        from huggingface_hub import constants, snapshot_download
+
+        if not constants.HF_HUB_OFFLINE:
+            return Path(snapshot_download(model))
     return user_model_dir(model)
 
 
