@@ -193,7 +193,7 @@ def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
     # kept a slow CI box's first tokens above half the target (150 ms), and the pool never shrank. Two sessions
     # prefer each replica: on idle replicas the hint decides a new conversation's place, so whichever replica
     # leaves holds conversations (without hints all four once went to the one that stayed).
-    from app.turns import preferred_replica
+    from kvtransfer.load import preferred_replica
 
     sessions: dict[str, list[str]] = {}
     for name in (f"reader-{i}" for i in range(200)):

@@ -82,7 +82,7 @@ def test_four_turn_conversation_reuses_kv_on_turns_two_to_four(client):
 
 
 def test_session_header_is_a_placement_hint(client, tiny_app):
-    from app.turns import preferred_replica
+    from kvtransfer.load import preferred_replica
 
     ids = tiny_app.replica_ids(2)
     # Two sessions whose hash prefers different replicas: a planner ignoring the hint could not place both.

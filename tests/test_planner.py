@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.turns import preferred_replica
 from configs.app import Policy
 from kvtransfer.cost_model import CostModel, LoadView
 from kvtransfer.kv_shape import KVShape
+from kvtransfer.load import preferred_replica
 from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView, _options, plan_turn
 from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
@@ -509,7 +509,8 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
 def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     from actors.prefix_hash import PrefixKey, Scope
     from actors.replica_api import ReplicaStats
-    from app.turns import InFlight, with_busy_peers
+    from app.turns import InFlight
+    from kvtransfer.load import with_busy_peers
 
     n = 1024
     # Prefills 1.3x slower beside a busy engine, a 58 ms decode step: today's quick multi-turn workload measured
@@ -584,7 +585,7 @@ def test_prompts_queued_on_a_replica_are_priced_as_separate_prompts_prefilled_to
 
 
 def test_busy_peers_are_the_busy_engines_on_the_same_node_only():
-    from app.turns import with_busy_peers
+    from kvtransfer.load import with_busy_peers
 
     views = [ReplicaView("a", running=2, prefill_tokens=10, prefilling=1, arrival_rate=1.5), ReplicaView("b"),
              ReplicaView("c", running=1), ReplicaView("d", running=4)]
