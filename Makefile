@@ -41,15 +41,15 @@ $(STAMPS)/model-$(DEFAULT_MODEL): $(STAMPS)/deps
 models: $(STAMPS)/model-$(DEFAULT_MODEL)
 
 # Ray Serve's throughput-optimized mode: the ingress replica answers HTTP on its own port (8001; Serve's proxy
-# stays on 8000), deployments talk over gRPC, user code runs on each replica's loop. Per request the ingress
-# added 4.5 ms there against ~22 ms through the proxy in one session, 7-10 ms on later runs (README, "What is on";
-# benchmarks/results/overhead*.json).
-# Serve's processes export their cached metrics every 1000 ms instead of 100: a tenth of those wake-ups, about 0.004
-# of a core less per idle replica (README, "What a replica costs").
+# stays on 8000), deployments talk over gRPC, user code runs on each replica's loop. Per request the ingress added
+# 4.8 ms p50 there against 18.3 ms in Serve's default mode (benchmarks/results/overhead.json,
+# overhead_default_serve.json).
+# Serve's processes export their cached metrics every 1000 ms instead of 100: a tenth of those wake-ups in every idle
+# replica (docs/design.md, "Keeping an idle replica cheap").
 # Ray's workers (the ingress, Serve's proxy, the replicas' own loops) at nice 0 rather than Ray's 15, and the engine
 # processes at 19 (`engine.engine_nice`): the request path's few milliseconds per turn run before the models'
 # compute. Beside two busy engines the ingress answered GET /v1/models in 3.05 ms p50 against 4.96 at equal priority,
-# a 1-token completion in 101 against 105 (`python -m benchmarks.engine_priority`; README, "What a replica costs").
+# a 1-token completion in 101 against 105 (`python -m benchmarks.engine_priority`, benchmarks/results/engine_priority.json).
 SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 \
 	RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8009 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000 RAY_worker_niceness=0
 

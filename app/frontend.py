@@ -68,8 +68,8 @@ R = TypeVar("R")
 
 # vLLM's derenderer runs every call on its renderer's thread pool. For a short output the hop there and back costs
 # more than the work: a 2-token answer took 0.89 ms to derender in the ingress, 0.58 ms on its event loop (cold, as
-# the ingress meets it between turns; README, "Known limits"). Outputs up to this many tokens (a whole response's,
-# all choices; a streamed chunk's) are derendered on the loop, longer ones on the pool as vLLM does.
+# the ingress meets it between turns; docs/design.md). Outputs up to this many tokens (a whole response's, all
+# choices; a streamed chunk's) are derendered on the loop, longer ones on the pool as vLLM does.
 ON_LOOP_DERENDER_TOKENS = 64
 
 

@@ -102,7 +102,7 @@ class Turn:
     params: SamplingParams
     # Whose KV this is (an API key or cache salt); turns of different tenants never share KV.
     tenant: str = ""
-    # A placement hint only (X-Session-Id): equal options go to this session's usual replica.
+    # A placement hint only (X-Session-Id): equal options go to the replica that id usually maps to.
     session_id: str | None = None
     # How the turn is placed; the baselines exist so benchmarks can compare on the same engines.
     policy: Policy = Policy.KVRELAY

@@ -10,6 +10,7 @@ function that turns its JSON into markdown lines and add a `Section` naming the 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,10 @@ def provenance_line(name: str, data: dict[str, Any]) -> str:
     state = " (uncommitted changes)" if dirty is True else "" if dirty is False else ""
     when = str(prov.get("date", "unknown"))[:10]
     rebuilt = " Provenance rebuilt from git history." if prov.get("reconstructed") else ""
+    # A run saved under an earlier name is rerun with this file as its --out (the JSON keeps the command as run).
+    command = re.sub(r"--out \S+", f"--out benchmarks/results/{name}", str(prov.get("command", "unknown")))
     return (f"Source: [`{name}`](../benchmarks/results/{name}) — commit `{commit}`{state}, {when}, "
-            f"{machine_text(prov.get('machine'))}; command `{prov.get('command', 'unknown')}`.{rebuilt}")
+            f"{machine_text(prov.get('machine'))}; command `{command}`.{rebuilt}")
 
 
 def scalars(data: dict[str, Any], prefix: str = "") -> list[list[Any]]:

@@ -91,7 +91,7 @@ class TwoNodeCluster:
 
     def env(self, node: str) -> dict[str, str]:
         """The environment of every process on `node`: Ray on the namespace's address, offline, no usage data,
-        UCX on TCP over the veth link (see the README, "Running on several machines")."""
+        UCX on TCP over the veth link (see the README, "Deploying")."""
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         env.update({

@@ -113,7 +113,7 @@ def test_json_mode_returns_parseable_json(served):
 
 def test_the_engines_compute_below_the_request_path(served):
     """On CPU `make serve` runs Ray's workers (the ingress, Serve's proxy and replicas) at nice 0 and the engine
-    processes at 19, so the request path's work runs before the models' (README, "What a replica costs")."""
+    processes at 19, so the request path's work runs before the models' (docs/design.md)."""
     # Looked at for up to 30 s. In about one CI run of four one engine process is not found in serve run's session
     # at all (3 minutes of looking did not find it either; cause unknown): what is found must still run at 19, and
     # that case is reported as an expected failure with every engine and Ray process and the end of the log.
@@ -142,7 +142,7 @@ def _processes_of_the_app(serve_pid: int) -> str:
         name = p.info["name"] or ""
         if name.startswith(("VLLM::", "ray::", "raylet", "gcs_server")):
             listed.add(p.info["pid"])
-    # And every child of those, whatever its name: CI of stop 38 showed a replica's engine logging under a pid that
+    # And every child of those, whatever its name: one CI run showed a replica's engine logging under a pid that
     # this listing, filtered by name, left out, so the missing engine runs under some other name.
     listed |= {p.info["pid"] for p in processes if p.info["ppid"] in listed}
     for p in processes:

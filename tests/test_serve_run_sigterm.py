@@ -50,7 +50,7 @@ def test_sigterm_to_serve_run_leaves_no_process_behind(mode, tmp_path):
     try:
         wait_until_healthy(proc, log, f"http://127.0.0.1:{port}", replicas=1, timeout_s=600)
         # Under the whole suite the engine was once not found by its title in /proc/PID/cmdline for 120 s after the
-        # app was healthy (CI of stop 25; the listing was cut); `engine_processes` also reads /proc/PID/comm and the
+        # app was healthy (in one CI run; the listing was cut); `engine_processes` also reads /proc/PID/comm and the
         # process tree. Wait a while for the engine; if it is still missing, the message lists every process.
         deadline = time.monotonic() + 120
         while not engine_processes(proc.pid):
