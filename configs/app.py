@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.engine import EngineConfig
+from configs.serve_llm import LLMConfig
 
 
 class Policy(StrEnum):
@@ -155,9 +156,49 @@ class AppConfig(BaseModel):
     # Serve's and vLLM's logging in every deployment. Internal calls (heartbeats, the directory's feed, each turn's
     # engine call) never get access-log lines; the ingress logs one per client request at INFO.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Ray Serve LLM's shape instead of `pool` (configs/serve_llm.py): `llm_configs` as `build_openai_app` takes them
+    # (one model per app), or `prefill_config` and `decode_config` as `build_pd_openai_app` does. Mapped onto `pool`,
+    # `decode_pool` and `openai` when the config loads, then cleared.
+    llm_configs: list[LLMConfig] | None = Field(default=None, min_length=1, max_length=1)
+    prefill_config: LLMConfig | None = None
+    decode_config: LLMConfig | None = None
 
     @model_validator(mode="after")
-    def _check_topology(self) -> AppConfig:
+    def _check(self) -> AppConfig:
+        self._from_serve_llm()
+        self._check_topology()
+        return self
+
+    def _from_serve_llm(self) -> None:
+        """Map Ray Serve LLM's fields onto kvrelay's (mutates); a field given both ways is refused."""
+        given = self.model_fields_set
+        if self.llm_configs is not None and (self.prefill_config or self.decode_config):
+            raise ValueError("give llm_configs (build_openai_app) or prefill_config and decode_config "
+                             "(build_pd_openai_app), not both")
+        if (self.prefill_config is None) != (self.decode_config is None):
+            raise ValueError("prefill_config and decode_config come together (prefill/decode disaggregation)")
+        pools = {"pool": self.llm_configs[0]} if self.llm_configs else {}
+        if self.prefill_config is not None:
+            pools = {"pool": self.prefill_config, "decode_pool": self.decode_config}
+            if "topology" in given and self.topology != "disaggregated":
+                raise ValueError("prefill_config and decode_config need topology 'disaggregated'")
+            self.topology = "disaggregated"
+        if not pools:
+            return
+        for name in ("pool", "decode_pool"):
+            if name in given:
+                raise ValueError(f"{name} is set both by Ray Serve LLM's fields and as kvrelay's own: give one")
+        openai = pools["pool"].openai_args()
+        both = sorted(self.openai.model_fields_set & set(openai))
+        if both:
+            raise ValueError(f"openai.{', openai.'.join(both)} also set by llm_configs (model_loading_config or "
+                             "engine_kwargs): give each once")
+        self.openai = OpenAISettings.model_validate({**self.openai.model_dump(exclude_unset=True), **openai})
+        for name, llm in pools.items():
+            setattr(self, name, PoolConfig.model_validate(llm.pool_args()))
+        self.llm_configs = self.prefill_config = self.decode_config = None
+
+    def _check_topology(self) -> None:
         if self.topology == "disaggregated":
             if self.decode_pool is None:
                 raise ValueError("topology 'disaggregated' needs a decode_pool")
@@ -167,5 +208,4 @@ class AppConfig(BaseModel):
                 raise ValueError("disaggregated serving moves KV over NIXL: enable nixl on both pools")
         elif self.decode_pool is not None:
             raise ValueError("decode_pool is only used with topology 'disaggregated'")
-        return self
 

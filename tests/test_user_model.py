@@ -74,7 +74,20 @@ TOOL_TEMPLATE = (
 )
 
 
-def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path):
+def serve_llm_config(model_source: str) -> dict:
+    """The app's `args` as a Ray Serve LLM user writes them for `build_openai_app` (configs/serve_llm.py), on CPU."""
+    engine_kwargs = {key: TINY_ENGINE[key] for key in ("dtype", "kv_cache_memory_bytes")} | {"enforce_eager": True}
+    return {"llm_configs": [{
+        "model_loading_config": {"model_id": "my-model", "model_source": model_source},
+        "placement_group_config": {"bundles": [{"CPU": 0.5}]},
+        "deployment_config": {"num_replicas": 1},
+        "runtime_env": {"env_vars": {"KVRELAY_TEST_MARK": "1"}},
+        "engine_kwargs": {**engine_kwargs, "max_model_len": 1024, "tool_call_parser": "hermes",
+                          "enable_auto_tool_choice": True, "chat_template": TOOL_TEMPLATE},
+    }]}
+
+
+def test_a_users_model_directory_configured_as_in_ray_serve_llm_serves_under_its_own_name(serve_port, tmp_path):
     from ray import serve
 
     from model_prep.store import ensure_model
@@ -83,10 +96,7 @@ def test_a_users_model_directory_serves_under_its_own_name(serve_port, tmp_path)
     shutil.copytree(ensure_model("tiny-llama"), mine)  # any HF model folder; this one is small
     # The model's own sampling defaults apply, as in vLLM's server.
     (mine / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "eos_token_id": 2}))
-    engine = dict(TINY_ENGINE, model=str(mine), max_model_len=1024)
-    app = run_app("mine", "/mine", serve_port, pool={"num_replicas": 1, "engine": engine},
-                  openai={"served_model_name": "my-model", "tool_call_parser": "hermes",
-                          "enable_auto_tool_choice": True, "chat_template": TOOL_TEMPLATE})
+    app = run_app("mine", "/mine", serve_port, **serve_llm_config(str(mine)))
     try:
         models = httpx.get(f"{app.base_url}/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["my-model"]
