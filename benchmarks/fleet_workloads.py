@@ -73,9 +73,10 @@ class Workload(BaseModel):
     per_replicas: int = Field(default=2, ge=1)
     sources: dict[str, str] = Field(default_factory=dict)
 
-    def scaled(self, replicas: int) -> Workload:
-        """This workload with its load per replica kept: conversations and concurrency (or rate) grow with the fleet."""
-        f = replicas / self.per_replicas
+    def scaled(self, replicas: int, load: float = 1.0) -> Workload:
+        """This workload with its load per replica kept (times `load`: a GPU replica serves many times a CPU's
+        users): conversations and concurrency (or rate) grow with the fleet."""
+        f = replicas / self.per_replicas * load
         return self.model_copy(update={
             "conversations": max(1, round(self.conversations * f)), "concurrency": max(1, round(self.concurrency * f)),
             "rate": self.rate * f, "per_replicas": replicas})

@@ -134,10 +134,12 @@ class PrefixCache:
         self._take(n)
         return True
 
-    def cache(self, parent: bytes | None, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[bytes]:
+    def cache(self, parent: bytes | None, hashes: Sequence[bytes], token_ids: Sequence[int],
+              cache_salt: str | None = None) -> list[bytes]:
         """A request filled private blocks whose hashes are `hashes` (after `parent`): they join the cache, still
         referenced by it. A hash already cached (another request computed the same block) keeps the request's copy
-        private, as vLLM does. Returns the hashes the request now references in the cache."""
+        private, as vLLM does. `cache_salt`: the request's, reported with a prompt's first block. Returns the hashes
+        the request now references in the cache."""
         stored: list[bytes] = []
         run_start = None
         bs = self.block_size
@@ -150,8 +152,10 @@ class PrefixCache:
                 continue
             if run_start is not None:  # one event per run of newly stored blocks, as vLLM sends per step
                 before = parent if run_start == 0 else hashes[run_start - 1]
+                # vLLM's events carry each block's extra keys: the salt on a prompt's first block.
+                extra = ([(cache_salt,)] + [None] * (i - run_start - 1)) if before is None and cache_salt else None
                 self.events.append(BlockStored(list(hashes[run_start:i]), before,
-                                               list(token_ids[run_start * bs:i * bs]), bs))
+                                               list(token_ids[run_start * bs:i * bs]), bs, extra))
                 run_start = None
         return stored
 

@@ -37,6 +37,7 @@ class SimRequest:
     # Prompt tokens whose KV arrives by a pull (or a read of this engine's own hold), usable from kv_ready_at.
     pulled_tokens: int = 0
     kv_ready_at: float = 0.0
+    cache_salt: str | None = None  # the tenant: its blocks hash apart from every other tenant's
     skip_cache: bool = False  # a forced recompute: reuse nothing
     export_hold: bool = False
     # Filled in as it runs.
@@ -96,6 +97,8 @@ class SimEngine:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.holds: dict[str, Hold] = {}
+        # vLLM's enable_prefix_caching: off, a request reuses only what it pulls, and no block is cached.
+        self.prefix_caching = True
         self._busy_peers = busy_peers
         self._step: list[tuple[SimRequest, int]] | None = None  # (request, tokens) of the step in flight
         self.step_started_at = 0.0
@@ -191,7 +194,7 @@ class SimEngine:
                 r.generated += 1
             # Blocks hold the KV of every token but the newest (its KV is computed by the next step).
             full = min((r.computed + max(0, r.generated - 1)) // bs, len(r.hashes))
-            if full > r.blocks_done:
+            if full > r.blocks_done and self.prefix_caching:
                 self._cache_blocks(r, full)
             if r.generated >= len(r.output_ids) and r.generated > 0:
                 self._finish(r, now)
@@ -213,7 +216,7 @@ class SimEngine:
         """Reference the cached prefix, take blocks for the rest of the prompt; False if the cache is full."""
         bs = self.profile.block_size
         prompt_blocks = r.prompt_len // bs
-        cached = 0 if r.skip_cache else self.cache.match(r.hashes[:prompt_blocks])
+        cached = 0 if r.skip_cache or not self.prefix_caching else self.cache.match(r.hashes[:prompt_blocks])
         reused = min(max(cached * bs, r.pulled_tokens), r.prompt_len - 1)
         needed = math.ceil((r.prompt_len + 1) / bs) - cached
         if not self.cache.acquire(r.hashes[:cached], needed):
@@ -242,7 +245,7 @@ class SimEngine:
         bs, start = self.profile.block_size, r.blocks_done
         tokens = (r.token_ids + r.output_ids)[start * bs: full * bs]
         parent = r.hashes[start - 1] if start else None
-        stored = self.cache.cache(parent, r.hashes[start:full], tokens)
+        stored = self.cache.cache(parent, r.hashes[start:full], tokens, r.cache_salt)
         r.refs.extend(stored)
         r.private -= len(stored)
         r.blocks_done = full

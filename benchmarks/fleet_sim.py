@@ -1,0 +1,444 @@
+"""A fleet of modelled engines driven by kvrelay's real planner, cost model and KV directory, in virtual time.
+
+Every turn takes the path a served turn takes, minus Ray and HTTP: its prompt's block hashes (`PrefixKey`) are
+looked up in a `KVDirectory` that the engines' vLLM-format KV events and exported holds keep current (through
+`ResidentTracker`, as a real replica's forwarder does), `plan_turn` chooses a (replica, mode) from the replicas'
+load, the plan runs on a `SimEngine` (consuming the hold it pulls from the directory, as the ingress does), and
+what the turn measured teaches the `CostModel` online, as `TurnRunner` teaches it. The cost model is seeded by the
+start-up calibration's sequence of forced turns (`kvtransfer.calibration`), run on the modelled engines.
+
+What the model leaves out: the ingress's view is exact and current (a real mirror lags its directory by a
+heartbeat), holds are recorded at once, and transfers do not share a link's bandwidth.
+Deterministic for a seed: one heap of events, ties broken by insertion order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from actors.kv_directory.index import KVDirectory
+from actors.kv_events import ResidentTracker
+from actors.prefix_hash import PrefixKey, Scope
+from benchmarks.fleet_workloads import Conversation, Workload, conversations
+from configs.app import Policy
+from kvtransfer.calibration import CALIBRATION_TENANT, CONTENTION_LENGTHS
+from kvtransfer.cost_model import CostModel
+from kvtransfer.load import preferred_replica, with_busy_peers
+from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn, reads_hold
+from kvtransfer.sim.block_cache import vllm_block_hashes
+from kvtransfer.sim.engine import Hold as EngineHold
+from kvtransfer.sim.engine import SimEngine, SimRequest
+from kvtransfer.sim.profile import EngineProfile
+from kvtransfer.types import Hold
+
+MODEL = "sim"
+RATE_WINDOW_S = 10.0  # as the ingress's InFlight counts arrival rates
+
+
+@dataclass
+class TurnRecord:
+    conv_id: str
+    turn: int
+    policy: str
+    start_s: float
+    ttft_ms: float
+    prompt_tokens: int
+    reused_tokens: int
+    mode: str
+    replica: str
+    estimate_ms: float
+    pulled_bytes: int = 0
+
+
+@dataclass
+class _Live:
+    """A conversation being served: its history as token ids, hashed both ways, and its turns to come."""
+
+    conv: Conversation
+    tokens: list[int]
+    vllm_hashes: list[bytes]
+    key: PrefixKey
+    next_turn: int = 0
+
+
+@dataclass
+class _Turn:
+    live: _Live
+    index: int
+    plan: Plan
+    start: float
+    prompt: list[int]
+    request: SimRequest
+    pulled_bytes: int = 0
+    busy_peers: int = 0
+    forced: bool = False
+    on_done: Callable[[], None] | None = None
+    kv_wait_ms: float | None = None
+    decode_stage: bool = False  # P/D: the decode pool's part of the turn (its first token was the prefill's)
+    output: list[int] = field(default_factory=list)
+    pulls: bool = False  # the turn's policy pulls: its last stage leaves a hold for the next turn
+
+
+@dataclass
+class FleetResult:
+    records: list[TurnRecord] = field(default_factory=list)
+    counters: Counter = field(default_factory=Counter)
+    requests_per_replica: Counter = field(default_factory=Counter)
+    duration_s: float = 0.0
+    cost_model: dict = field(default_factory=dict)
+
+
+class Fleet:
+    """N modelled replicas behind one planner. `run(workload)` serves a workload under one policy."""
+
+    def __init__(self, profile: EngineProfile, replicas: int, policy: Policy, seed: int = 0,
+                 topology: str = "aggregated", prefill_replicas: int | None = None,
+                 prefill_prefix_caching: bool = True) -> None:
+        self.profile = profile
+        self.policy = policy
+        self.seed = seed
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        per_node = profile.replicas_per_node
+        self.engines = [SimEngine(f"r{i}", f"node{i // per_node}", profile, self._busy_peers) for i in range(replicas)]
+        self.by_id = {e.replica_id: e for e in self.engines}
+        for e in self.engines:
+            e.on_first_token = self._first_token
+            e.on_finish = self._finished
+        self.topology = topology
+        # P/D's recompute baseline (`recompute`): every turn forced to recompute on the least busy prefill replica.
+        self.baseline_forces = False
+        n_prefill = prefill_replicas if prefill_replicas is not None else max(1, replicas // 2)
+        self.prefill_pool = [e.replica_id for e in self.engines[:n_prefill]] if topology == "disaggregated" else None
+        self.decode_pool = [e.replica_id for e in self.engines[n_prefill:]] if topology == "disaggregated" else []
+        for rid in self.prefill_pool or ():
+            self.by_id[rid].prefix_caching = prefill_prefix_caching
+        self.directory = KVDirectory(profile.block_size, clock=lambda: self.now, max_entries=50_000_000,
+                                     max_bytes=1 << 40)
+        self.trackers: dict[str, dict[str, ResidentTracker]] = {}
+        self.cost = CostModel(lambda n: n * profile.kv_bytes_per_token)
+        self.cost.set_nodes({e.replica_id: e.node for e in self.engines})
+        self.met: set[tuple[str, str]] = set()
+        self.result = FleetResult()
+        self._turns: dict[str, _Turn] = {}
+        self._holds: dict[str, EngineHold] = {}  # request id -> the modelled engine's hold
+        self._arrivals: dict[str, deque[tuple[float, str]]] = {e.replica_id: deque() for e in self.engines}
+        self._rotation = 0
+        self._request_seq = 0
+        self._done_convs: Counter = Counter()
+        self._last_finish = 0.0
+
+    # ----- the event loop
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn))
+
+    def run_until_idle(self, limit_s: float = 1e9, done: Callable[[], bool] = lambda: False) -> None:
+        """Process events up to `limit_s` (virtual seconds), or until `done()`."""
+        while self._events and self._events[0][0] <= limit_s and not done():
+            t, _, fn = heapq.heappop(self._events)
+            self.now = max(self.now, t)
+            fn()
+
+    def _kick(self, engine: SimEngine) -> None:
+        """Start `engine`'s next step if it is not stepping."""
+        if engine.busy:
+            return
+        end = engine.next_step(self.now)
+        if end is not None:
+            self.at(end, lambda: self._step_done(engine))
+        elif engine.waiting:  # requests waiting for their KV: look again when the first arrives
+            ready = min((r.kv_ready_at for r in engine.waiting if r.kv_ready_at > self.now), default=None)
+            if ready is not None:
+                self.at(ready, lambda: self._kick(engine))
+
+    def _step_done(self, engine: SimEngine) -> None:
+        engine.finish_step(self.now)
+        self._report_events(engine)
+        self._kick(engine)
+
+    def _busy_peers(self, engine: SimEngine) -> int:
+        return sum(1 for e in self.engines if e is not engine and e.node == engine.node and e.busy)
+
+    def _report_events(self, engine: SimEngine) -> None:
+        """The engine's KV events, through its tracker, into the directory (as a replica's forwarder sends them)."""
+        events = engine.cache.take_events()
+        if not events:
+            return
+        tracker = self.trackers.setdefault(engine.replica_id, {}).setdefault(
+            "", ResidentTracker(MODEL, self.profile.block_size))
+        ops = tracker.apply(events)
+        if ops:
+            self.directory.apply_resident(engine.replica_id, ops)
+
+    # ----- the planner's view
+
+    def _views(self, conv_id: str) -> list[ReplicaView]:
+        views = []
+        for e in self.engines:
+            waiting, backlog = e.prefill_backlog()
+            decoding = sum(1 for r in e.running if not r.prefilling)
+            arrivals = self._arrivals[e.replica_id]
+            while arrivals and arrivals[0][0] < self.now - RATE_WINDOW_S:
+                arrivals.popleft()
+            rate = sum(1 for _, c in arrivals if c != conv_id) / RATE_WINDOW_S
+            step = e.last_step_ms if decoding and e.last_step_ms else None
+            views.append(ReplicaView(e.replica_id, running=decoding, waiting=0,
+                                     decode_tok_s=1e3 / step if step else None, prefill_tokens=backlog,
+                                     prefilling=waiting, arrival_rate=rate))
+        return with_busy_peers(views, {e.replica_id: e.node for e in self.engines})
+
+    # ----- turns
+
+    def start_turn(self, live: _Live, force: tuple[Mode, str] | None = None, tenant_policy: Policy | None = None,
+                   on_done: Callable[[], None] | None = None, max_tokens: int | None = None) -> None:
+        """Plan and start the conversation's next turn now."""
+        conv, index = live.conv, live.next_turn
+        turn = conv.turns[index]
+        prompt = live.tokens + turn.user_tokens
+        output = turn.output_tokens[: max_tokens] if max_tokens else turn.output_tokens
+        key = live.key.extend(turn.user_tokens)
+        policy = tenant_policy or self.policy
+        pulls = policy.pulls and len(self.engines) > 1
+        turn_index: int | None = index
+        if force is None and self.baseline_forces:
+            least = min(self.prefill_pool or self.by_id, key=lambda i: (len(self.by_id[i].running)
+                                                                         + len(self.by_id[i].waiting), i))
+            force = (Mode.RECOMPUTE, least)
+        if force is None and pulls:
+            self.cost.observe_turn(turn_index)
+        views = self._views(conv.conv_id)
+        targets = self.prefill_pool
+        preferred = preferred_replica(conv.conv_id, [v.replica_id for v in views
+                                                     if targets is None or v.replica_id in targets])
+        self._rotation += 1
+        lookup = self.directory.lookup(key)
+        plan = plan_turn(len(prompt), lookup, views, self.cost, preferred, force, targets, policy, self._rotation,
+                         self.cost.expected_output_tokens(len(output)), self.met, turn_index)
+        self.result.counters[f"plans_{plan.mode.value}"] += 1
+        full = prompt + output
+        bs = self.profile.block_size
+        known = len(live.vllm_hashes)
+        hashes = live.vllm_hashes + vllm_block_hashes(
+            full[known * bs:], bs, conv.tenant, parent=live.vllm_hashes[-1] if known else None)
+        self._request_seq += 1
+        # P/D: the prefill pool computes the first token and holds the prompt's KV for the decode pool to read.
+        disaggregated = self.topology == "disaggregated"
+        request = SimRequest(f"q{self._request_seq}", prompt, output[:1] if disaggregated else output, hashes,
+                             self.now, cache_salt=conv.tenant,
+                             skip_cache=force is not None and force[0] is Mode.RECOMPUTE,
+                             export_hold=disaggregated or pulls)
+        t = _Turn(live, index, plan, self.now, prompt, request, forced=force is not None and not self.baseline_forces,
+                  on_done=on_done)
+        t.output = output
+        t.pulls = pulls
+        target = self.by_id[plan.replica_id]
+        if reads_hold(plan):
+            self._read_hold(t, target)
+        self._turns[request.request_id] = t
+        self._arrivals[target.replica_id].append((self.now, conv.conv_id))
+        self.result.requests_per_replica[target.replica_id] += 1
+        target.add(request)
+        self._kick(target)
+
+    def _read_hold(self, t: _Turn, target: SimEngine) -> None:
+        """Take the planned hold from the directory and start its read (a pull, or a copy inside the holder)."""
+        hold = self.directory.consume_hold(t.plan.hold.hold_id)
+        engine_hold = self._holds.pop(hold.request_id, None) if hold is not None else None
+        if engine_hold is None or engine_hold.released or hold.num_tokens > len(t.prompt) - 1:
+            self.result.counters["holds_gone"] += 1
+            return
+        request = t.request
+        request.pulled_tokens = hold.num_tokens
+        holder = engine_hold.engine
+        if holder is target:  # the turn's own hold: a copy inside the engine
+            request.kv_ready_at = self.now
+            engine_hold.release()
+            return
+        moved = hold.num_tokens - t.plan.cached_tokens
+        first = (target.replica_id, holder.replica_id) not in self.met
+        ms = self.profile.pull_ms(moved, holder.node == target.node, first)
+        request.kv_ready_at = self.now + ms / 1e3
+        t.kv_wait_ms = ms
+        t.pulled_bytes = moved * self.profile.kv_bytes_per_token
+        self.met.add((target.replica_id, holder.replica_id))
+        self.result.counters["pulls"] += 1
+        self.result.counters["pulled_bytes"] += t.pulled_bytes
+        self.at(request.kv_ready_at, lambda: (engine_hold.release(), self._report_events(holder)))
+
+    def _first_token(self, r: SimRequest) -> None:
+        t = self._turns.get(r.request_id)
+        if t is None or t.decode_stage:
+            return
+        ttft = (self.now - t.start) * 1e3 + self.profile.request_overhead_ms
+        plan, engine = t.plan, self.by_id[t.plan.replica_id]
+        planned = not t.forced or t.live.conv.tenant == CALIBRATION_TENANT
+        if planned and not (reads_hold(plan) and r.pulled_tokens == 0):
+            self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, ttft)
+        if r.ran_alone and r.prefill_started_at is not None:
+            busy = self._busy_peers(engine)
+            self.cost.observe_prefill(r.prompt_len - r.reused_tokens, r.reused_tokens,
+                                      (self.now - r.prefill_started_at) * 1e3, busy, engine.replica_id)
+            if t.kv_wait_ms is not None and plan.mode is Mode.PULL:
+                self.cost.observe_pull(r.reused_tokens - plan.cached_tokens, t.kv_wait_ms)
+        for offer in plan.superseded:  # the turn has read what it reuses: older holds of its history only pin blocks
+            hold = self.directory.consume_hold(offer.hold_id)
+            engine_hold = self._holds.pop(hold.request_id, None) if hold is not None else None
+            if engine_hold is not None:
+                engine_hold.release()
+                self.result.counters["holds_released"] += 1
+        if not t.forced:
+            self.result.records.append(TurnRecord(
+                t.live.conv.conv_id, t.index, self.policy.value, t.start, ttft, r.prompt_len, r.reused_tokens,
+                plan.mode.value if r.pulled_tokens or plan.mode is not Mode.PULL else Mode.RECOMPUTE.value,
+                engine.replica_id, plan.estimate_ms, t.pulled_bytes))
+
+    def _finished(self, r: SimRequest, hold: EngineHold | None) -> None:
+        t = self._turns.pop(r.request_id, None)
+        engine = self.by_id[t.plan.replica_id] if t else None
+        if t is None or engine is None:
+            return
+        if self.topology == "disaggregated" and not t.decode_stage:
+            self._decode(t, r, hold)
+            return
+        if len(r.output_ids) > 1 and len(engine.running) == 0 and r.first_token_at is not None:
+            self.cost.observe_decode((self.now - r.first_token_at) * 1e3 / (len(r.output_ids) - 1))
+        if t.live.conv.tenant != CALIBRATION_TENANT:
+            self.cost.observe_output(r.generated)
+        live = t.live
+        key = live.key.extend(live.conv.turns[t.index].user_tokens)
+        live.tokens = t.prompt + r.output_ids
+        if hold is not None and not t.pulls:
+            hold.release()  # P/D's decode holds only for policies that pull the history back
+            hold = None
+        live.key = key.extend(r.output_ids)
+        full = len(live.tokens) // self.profile.block_size
+        live.vllm_hashes = r.hashes[:full]
+        live.next_turn += 1
+        self._last_finish = self.now
+        if hold is not None:
+            self._record_hold(engine, r, hold, live)
+        self._report_events(engine)
+        if t.on_done is not None:
+            t.on_done()
+
+    def _decode(self, t: _Turn, r: SimRequest, prefill_hold: EngineHold | None) -> None:
+        """P/D: the least busy decode replica reads the prompt's KV from the prefill replica and decodes the rest,
+        holding the whole turn's KV afterwards for the next turn's prefill to pull back."""
+        target = min((self.by_id[i] for i in self.decode_pool),
+                     key=lambda e: (len(e.running) + len(e.waiting), e.replica_id))
+        prefill = self.by_id[t.plan.replica_id]
+        request = SimRequest(f"{r.request_id}d", t.prompt, t.output, r.hashes, self.now, cache_salt=r.cache_salt,
+                             export_hold=True)
+        cached = target.cache.match(r.hashes[: r.prompt_len // self.profile.block_size]) * self.profile.block_size
+        request.pulled_tokens = r.prompt_len - 1
+        ms = self.profile.pull_ms(max(0, r.prompt_len - cached), prefill.node == target.node,
+                                  (target.replica_id, prefill.replica_id) not in self.met)
+        self.met.add((target.replica_id, prefill.replica_id))
+        request.kv_ready_at = self.now + ms / 1e3
+        if prefill_hold is not None:
+            self.at(request.kv_ready_at, lambda: (prefill_hold.release(), self._report_events(prefill)))
+        plan = t.plan._replace(replica_id=target.replica_id)
+        d = _Turn(t.live, t.index, plan, self.now, t.prompt, request, forced=True, on_done=t.on_done,
+                  decode_stage=True, output=t.output, pulls=t.pulls)
+        self._turns[request.request_id] = d
+        target.add(request)
+        self._report_events(prefill)
+        self._kick(target)
+
+    def _record_hold(self, engine: SimEngine, r: SimRequest, hold: EngineHold, live: _Live) -> None:
+        record = Hold(engine_id=engine.replica_id, host="sim", port=0, block_ids=[[]], num_tokens=hold.num_tokens,
+                      request_id=r.request_id)
+        result = self.directory.record_hold(engine.replica_id, live.key.truncate(hold.num_tokens), record,
+                                            hold.expires_at, prompt_tokens=r.prompt_len)
+        if result.hold_id is None:
+            hold.release()
+            return
+        self._holds[r.request_id] = hold
+        self.at(hold.expires_at, lambda: (hold.release(), self._holds.pop(r.request_id, None),
+                                          self._report_events(engine)))
+
+    # ----- calibration and serving
+
+    def new_conversation(self, conv: Conversation) -> _Live:
+        scope = Scope(MODEL, conv.tenant)
+        return _Live(conv, list(conv.prefix_tokens), [], PrefixKey.build(conv.prefix_tokens, scope,
+                                                                        self.profile.block_size))
+
+    def calibrate(self) -> None:
+        """The start-up calibration's forced turns (`kvtransfer.calibration.calibrate`), one at a time: NIXL's
+        handshakes both ways, a recompute, a pull and a local follow-up per length, prefills beside a busy peer."""
+        rng = random.Random(self.seed + 7)
+        ids = self.prefill_pool or [e.replica_id for e in self.engines]
+        if len(ids) < 2:
+            return
+        from benchmarks.fleet_workloads import Turn
+
+        def conv(n: int) -> _Live:
+            tokens = [rng.randrange(100, 32000) for _ in range(n)]
+            turns = [Turn(user_tokens=[], output_tokens=[rng.randrange(100, 32000)], think_s=0)] + [
+                Turn(user_tokens=[rng.randrange(100, 32000) for _ in range(32)],
+                     output_tokens=[rng.randrange(100, 32000)], think_s=0) for _ in range(2)]
+            c = Conversation(conv_id=f"cal{rng.random()}", tenant=CALIBRATION_TENANT, start_s=0,
+                             prefix_tokens=tokens, turns=turns)
+            return self.new_conversation(c)
+
+        def forced(live: _Live, mode: Mode, replica: str) -> None:
+            finished: list[bool] = []
+            self.start_turn(live, (mode, replica), Policy.KVRELAY, on_done=lambda: finished.append(True))
+            self.run_until_idle(done=lambda: bool(finished))
+
+        def pull_after_recompute(n: int, holder: str, puller: str, local: bool = True) -> None:
+            live = conv(n)
+            forced(live, Mode.RECOMPUTE, holder)
+            forced(live, Mode.PULL, puller)
+            if local:
+                forced(live, Mode.LOCAL, holder)
+
+        pull_after_recompute(64, ids[0], ids[1], local=False)
+        pull_after_recompute(64, ids[1], ids[0], local=False)
+        self.cost.learn_handshake()
+        for n in (64, 256, 1024, 2048):
+            pull_after_recompute(n, ids[0], ids[1])
+        for n in list(CONTENTION_LENGTHS) * 2:
+            forced(conv(n), Mode.RECOMPUTE, ids[0])
+        self.result = FleetResult()  # serving starts counting now
+
+    def run(self, workload: Workload) -> FleetResult:
+        """Serve every conversation of the workload (calibrating first); returns what each turn measured."""
+        self.calibrate()
+        start = self.now
+        convs = conversations(workload, self.seed)
+        queue = deque(convs)
+
+        def run_conversation(conv: Conversation) -> None:
+            live = self.new_conversation(conv)
+
+            def next_turn() -> None:
+                if live.next_turn >= len(conv.turns):
+                    self._done_convs["done"] += 1
+                    if workload.arrival == "concurrency" and queue:
+                        run_conversation(queue.popleft())
+                    return
+                think = conv.turns[live.next_turn].think_s
+                self.at(self.now + think, lambda: self.start_turn(live, on_done=next_turn))
+
+            next_turn()
+
+        if workload.arrival == "concurrency":
+            for _ in range(min(workload.concurrency, len(queue))):
+                run_conversation(queue.popleft())
+        else:
+            for c in convs:
+                self.at(start + (c.start_s or 0.0), lambda c=c: run_conversation(c))
+            queue.clear()
+        self.run_until_idle()
+        self.result.duration_s = self._last_finish - start  # not the holds' leases running out after the last turn
+        self.result.cost_model = self.cost.snapshot()
+        return self.result
