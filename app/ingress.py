@@ -38,7 +38,7 @@ from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.disaggregated import DisaggregatedTurnRunner
 from app.frontend import Frontend, OpenAIRequest, parse_request, usage
-from app.metrics import IngressMetrics
+from app.metrics import DirectoryView, IngressMetrics
 from app.responses import (
     ClientError,
     KVRelayInfo,
@@ -137,7 +137,7 @@ class Ingress:
                 engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s,
                 self.config.max_migrations,
             )
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(shape.kv_bytes)
         self.turns_running = 0
         # (before the engine call, after the last delta) ms of recent one-turn HTTP responses (`_own_work`).
         self.own_ms: deque[tuple[float, float]] = deque(maxlen=1024)
@@ -217,8 +217,18 @@ class Ingress:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def http_metrics(self, request: Request) -> Response:
-        body, content_type = self.metrics.render(await self._engine_metrics())
+        engines, directory = await asyncio.gather(self._engine_metrics(), self._directory_view())
+        body, content_type = self.metrics.render(engines, directory)
         return Response(body, media_type=content_type)
+
+    async def _directory_view(self, timeout_s: float = 5.0) -> DirectoryView | None:
+        """The directory's stats beside this ingress's mirror of it; None if the directory does not answer in time."""
+        try:
+            stats = await asyncio.wait_for(self.directory.stats.remote(), timeout_s)
+        except Exception as exc:  # restarting: /metrics still answers, without the directory's families
+            logger.warning("KV directory stats unavailable for /metrics: %s", exc)
+            return None
+        return DirectoryView(stats, self.mirror.epoch, self.mirror.seq, self.runner.counters["holds_released"])
 
     async def _engine_metrics(self, timeout_s: float = 5.0) -> dict[str, str]:
         """Each live replica's metrics text (replicas that do not answer in time are left out)."""
@@ -545,7 +555,7 @@ class Ingress:
         try:
             async for delta, outcome in self.runner.run(turn, force):
                 if delta.finished:
-                    self.metrics.observe_turn(outcome, delta, time.monotonic() - started)
+                    self.metrics.observe_turn(outcome, delta, time.monotonic() - started, turn.policy.value)
                 yield delta, outcome
         except Exception as exc:
             if caused_by(exc, BackPressureError):

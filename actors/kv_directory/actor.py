@@ -128,7 +128,8 @@ class KVDirectoryActor:
         return snap.parts[index]
 
     async def stats(self) -> DirectoryStats:
-        return self._directory.stats()._replace(replicas_left=self._left, replicas_silent=self._silent)
+        return self._directory.stats()._replace(replicas_left=self._left, replicas_silent=self._silent,
+                                                feed_seq=self._log.seq)
 
     async def check_integrity(self) -> None:
         self._directory.check_integrity()

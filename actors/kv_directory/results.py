@@ -69,3 +69,5 @@ class DirectoryStats(NamedTuple):
     # from them) and replicas dropped because their heartbeats stopped (killed, hung, cut off).
     replicas_left: int = 0
     replicas_silent: int = 0
+    # The directory actor's change feed: the sequence number of its latest update (a mirror at a lower one lags).
+    feed_seq: int = 0
