@@ -398,7 +398,7 @@ class Fleet:
             live = conv(n)
             forced(live, Mode.RECOMPUTE, holder)
             forced(live, Mode.PULL, puller)
-            if local:
+            if local and self.by_id[holder].prefix_caching:
                 forced(live, Mode.LOCAL, holder)
 
         pull_after_recompute(64, ids[0], ids[1], local=False)

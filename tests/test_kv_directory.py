@@ -26,6 +26,7 @@ from actors.kv_directory.index import KVDirectory
 from actors.kv_directory.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
 from actors.kv_events import KVEventForwarder, ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
+from kvtransfer.sim.block_cache import VLLM_NONE_HASH_SEED, external_block_hash, vllm_block_hashes
 from kvtransfer.types import Hold, LookupResult
 from tests.conftest import make_hold
 
@@ -670,15 +671,34 @@ def test_real_vllm_engine_events_follow_its_prefix_cache(tmp_path: Path) -> None
     async def generate(tokens: list[int], salt: str | None = None) -> dict[str, Any]:
         return await asyncio.to_thread(call, op="generate", tokens=tokens, salt=salt)
 
+    class Recording:
+        """The tracker, keeping the vLLM block hashes of the blocks the engine reports stored."""
+
+        def __init__(self, tracker: ResidentTracker) -> None:
+            self.tracker, self.stored = tracker, []
+
+        def apply(self, events: Any) -> list[ResidentOp]:
+            self.stored += [h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes]
+            return self.tracker.apply(events)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.tracker, name)
+
+    recording = Recording(ResidentTracker("tiny-llama", 32))
+
     async def scenario() -> dict[str, int]:
-        tracker = ResidentTracker("tiny-llama", 32)
-        forwarder = KVEventForwarder("r1", endpoint, tracker, send, replay_endpoint=replay)
+        tracker = recording.tracker
+        forwarder = KVEventForwarder("r1", endpoint, recording, send, replay_endpoint=replay)
         forwarder.start()
         seen: dict[str, int] = {}
         prompt = [(7 * i) % 1500 + 10 for i in range(100)]
         turn1 = await generate(prompt, salt="tenant-a")
         follow_up = PrefixKey.build(prompt + turn1["output"] + [5, 6, 7], scope, 32)
         seen["after_turn1"] = await settle(follow_up, 96)
+        # The fleet simulator's modelled cache hashes the same tokens into the same blocks as this engine.
+        seed = os.environ.get("PYTHONHASHSEED", VLLM_NONE_HASH_SEED)
+        modelled = vllm_block_hashes(prompt + turn1["output"], 32, "tenant-a", seed=seed)
+        seen["hashes_as_modelled"] = recording.stored[:3] == [external_block_hash(h) for h in modelled]
         seen["other_tenant"] = len(directory.lookup(prompt, Scope("tiny-llama", "")).matches)
         seen["engine_turn2"] = (await generate(list(follow_up.token_ids), salt="tenant-a"))["cached"]
         for seed in (1, 2, 3):  # unrelated long prompts push the conversation's blocks out
@@ -709,6 +729,7 @@ def test_real_vllm_engine_events_follow_its_prefix_cache(tmp_path: Path) -> None
             child.wait(timeout=60)
         except subprocess.TimeoutExpired:
             child.kill()
+    assert seen["hashes_as_modelled"]  # kvtransfer/sim/block_cache.py computes vLLM's own block hashes
     assert seen["after_turn1"] == 96  # 100 prompt + 6 generated tokens, 105 computed: 3 full blocks of 32
     assert seen["other_tenant"] == 0  # the cache salt is the tenant
     assert seen["engine_turn2"] == 96  # vLLM agrees: turn 2 hit exactly what the directory said

@@ -44,11 +44,17 @@ def vllm_block_hashes(
     return hashes
 
 
+def external_block_hash(block_hash: bytes) -> int:
+    """A block hash as vLLM's KV events carry it by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1: the low 64 bits
+    of its big-endian value, `vllm.v1.core.kv_cache_utils.maybe_convert_block_hash`)."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
 class BlockStored(NamedTuple):
     """vLLM's `BlockStored` KV event, with the fields kvrelay's tracker reads."""
 
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     extra_keys: list[Any] | None = None
@@ -58,7 +64,7 @@ class BlockStored(NamedTuple):
 
 
 class BlockRemoved(NamedTuple):
-    block_hashes: list[bytes]
+    block_hashes: list[int]
     medium: str | None = "GPU"
     group_idx: int | None = None
 
@@ -124,7 +130,7 @@ class PrefixCache:
             gone.append(h)
         if gone:
             self.evicted += len(gone)
-            self.events.append(BlockRemoved(gone))
+            self.events.append(BlockRemoved([external_block_hash(h) for h in gone]))
         self._private += n
 
     def grow(self, n: int) -> bool:
@@ -154,8 +160,10 @@ class PrefixCache:
                 before = parent if run_start == 0 else hashes[run_start - 1]
                 # vLLM's events carry each block's extra keys: the salt on a prompt's first block.
                 extra = ([(cache_salt,)] + [None] * (i - run_start - 1)) if before is None and cache_salt else None
-                self.events.append(BlockStored(list(hashes[run_start:i]), before,
-                                               list(token_ids[run_start * bs:i * bs]), bs, extra))
+                self.events.append(BlockStored(
+                    [external_block_hash(h) for h in hashes[run_start:i]],
+                    None if before is None else external_block_hash(before),
+                    list(token_ids[run_start * bs:i * bs]), bs, extra))
                 run_start = None
         return stored
 
