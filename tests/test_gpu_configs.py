@@ -17,7 +17,9 @@ from configs.app import AppConfig
 from configs.models import HUB_MODELS
 from tests.conftest import REPO_ROOT
 
-SERVE_CONFIGS = sorted([REPO_ROOT / "serve_config.yaml", *(REPO_ROOT / "configs").glob("*.yaml")])
+# Every serve config the repository ships (other YAML under configs/ is not one).
+SERVE_CONFIGS = sorted(path for path in [REPO_ROOT / "serve_config.yaml", *(REPO_ROOT / "configs").glob("*.yaml")]
+                       if "applications" in yaml.safe_load(path.read_text()))
 GPU_CONFIGS = sorted((REPO_ROOT / "configs").glob("gpu_*.yaml"))
 # What each GPU config must serve, and how: (topology, model, fast prefill).
 EXPECTED = {

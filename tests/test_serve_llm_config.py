@@ -45,9 +45,9 @@ def test_the_shipped_serve_llm_config_is_the_readmes_side_by_side():
             "runtime_env": {"env_vars": {"UCX_TLS": "rc,cuda_ipc,cuda_copy"}},
             # Left out, vLLM's meaning: the cache sized from gpu_memory_utilization, CUDA graphs on.
             "engine": {"model": "Qwen/Qwen3-8B", "max_model_len": 32768, "gpu_memory_utilization": 0.9,
-                       "enable_prefix_caching": True, "kv_cache_memory_bytes": None, "enforce_eager": False},
+                       "kv_cache_memory_bytes": None, "enforce_eager": False},
         },
-        "openai": {"served_model_name": "qwen3-8b", "tool_call_parser": "hermes", "enable_auto_tool_choice": True},
+        "openai": {"served_model_name": "qwen3-8b"},
     }
     assert AppConfig.model_validate(application["args"]) == AppConfig.model_validate(native)
 
