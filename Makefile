@@ -53,14 +53,16 @@ models: $(STAMPS)/model-$(DEFAULT_MODEL)
 SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 \
 	RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8009 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000 RAY_worker_niceness=0
 
-serve: models
-	$(SERVE_ENV) $(BIN)/serve run serve_config.yaml
+# One line per stage (install, model preparation, Ray, each engine, calibration, ready) with its elapsed seconds; pip's,
+# vLLM's and Ray's output go to .data/logs/ and Ray's session log folder (app/serve_progress.py; README).
+serve:
+	@$(SERVE_ENV) $(PYTHON) -m app.serve_progress serve_config.yaml
 
 test: models
 	$(BIN)/python -m pytest tests
 
 lint: setup
-	$(BIN)/ruff check app actors kvtransfer configs model_prep tests benchmarks
+	$(BIN)/ruff check app actors kvtransfer configs model_prep tests benchmarks deploy
 
 # NVIDIA's aiperf (PyPI) for `python -m benchmarks.aiperf_multi_turn`, in an environment of its own: its
 # dependencies (dash, kubernetes, optuna, ...) are not kvrelay's. Pinned: the driver reads its export format.

@@ -202,9 +202,11 @@ class Ingress:
 
     async def health(self, request: Request) -> JSONResponse:
         replicas = self.runner.replicas()
+        # Whether the start-up calibration has run (`make serve` waits for it: app/serve_progress.py).
+        calibrated = self._calibration.done()
         if not replicas:
-            return JSONResponse({"status": "starting", "replicas": 0}, 503)
-        return JSONResponse({"status": "ok", "replicas": len(replicas)})
+            return JSONResponse({"status": "starting", "replicas": 0, "calibrated": calibrated}, 503)
+        return JSONResponse({"status": "ok", "replicas": len(replicas), "calibrated": calibrated})
 
     async def version(self, request: Request) -> JSONResponse:
         import vllm

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,8 +44,9 @@ def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replica
 
 
 class Served(NamedTuple):
-    proc: subprocess.Popen
-    log: Path
+    proc: subprocess.Popen  # `make serve`'s console (app/serve_progress.py), which runs serve run
+    log: Path  # serve run's output
+    stages: Path  # what `make serve` prints
     base: str  # the ingress replica's own port
     proxy: str  # Serve's proxy
     ports: tuple[int, int]
@@ -53,7 +55,7 @@ class Served(NamedTuple):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve_run")
-    log, config = folder / "serve_run.log", folder / "serve_config.yaml"
+    log, config, stages = folder / "serve_run.log", folder / "serve_config.yaml", folder / "stages.txt"
     proxy_port, ingress_port = free_port(), free_port_range(9)
     committed = (REPO_ROOT / "serve_config.yaml").read_text()
     assert committed.count("port: 8000") == 1
@@ -64,27 +66,48 @@ def served(tmp_path_factory):
                   "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ingress_port + 8)}
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **serve_env)
-    serve_bin = Path(sys.executable).parent / "serve"
-    with open(log, "wb") as out:
-        # A new session so SIGTERM reaches serve and the Ray cluster it started; `--address local` keeps it
-        # apart from the test session's own cluster.
-        proc = subprocess.Popen([str(serve_bin), "run", "--address", "local", str(config)], cwd=REPO_ROOT,
+    proxy = f"http://127.0.0.1:{proxy_port}"
+    with open(stages, "wb") as out:
+        # As `make serve` runs it (its install and model stages find everything up to date). A new session so that
+        # every process it starts can be found; `--address local` keeps it apart from the test session's own cluster.
+        proc = subprocess.Popen([sys.executable, "-m", "app.serve_progress", str(config), "--url", proxy,
+                                 "--log", str(log), "--address", "local"], cwd=REPO_ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    served = Served(proc, log, f"http://127.0.0.1:{ingress_port}", f"http://127.0.0.1:{proxy_port}",
-                    (ingress_port, proxy_port))
+    served = Served(proc, log, stages, f"http://127.0.0.1:{ingress_port}", proxy, (ingress_port, proxy_port))
     try:
         # Both replicas up: each engine reports once it has started, not necessarily together.
         wait_until_healthy(proc, log, served.base, replicas=2, timeout_s=900)
         yield served
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # passed on to serve run alone, which shuts down cleanly
             proc.wait(60)
         except ProcessLookupError:
             pass  # the last test killed the group itself
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+# What `make serve` prints, in order, one line each.
+STAGES = ["install", "model preparation", "Ray", "engine 1", "engine 2", "calibration", "ready"]
+STAGE_LINE = re.compile(r"\[\s*(\d+\.\d) s\] ([^:]+): (.*)")
+
+
+def test_make_serve_prints_one_line_per_stage_with_its_elapsed_seconds(served):
+    deadline = time.monotonic() + 300  # the calibration runs after both engines are up
+    while "] ready: " not in served.stages.read_text() and time.monotonic() < deadline:
+        assert served.proc.poll() is None, served.stages.read_text()
+        time.sleep(1)
+    lines = served.stages.read_text().splitlines()
+    parsed = [STAGE_LINE.fullmatch(line) for line in lines]
+    assert all(parsed) and [m[2] for m in parsed] == STAGES, "\n".join(lines)
+    seconds = [float(m[1]) for m in parsed]
+    assert seconds == sorted(seconds), lines
+    assert served.proxy in lines[-1] and served.base in lines[-1]  # Serve's proxy, and the ingress's own port
+    # vLLM's start-up lines are not on the console but in Ray's log files, in the folder the Ray line names.
+    logs = Path(re.search(r"included: (\S+)\)", lines[2])[1])
+    assert any("Initializing a V1 LLM engine" in f.read_text(errors="replace") for f in logs.glob("worker-*")), logs
 
 
 def test_serve_run_serves_the_default_model(served):
