@@ -125,7 +125,8 @@ class Ingress:
         self.directory = directory
         self.mirror = DirectoryMirror(directory, engine.block_size)
         self.mirror.start()
-        cost = CostModel(shape.kv_bytes)
+        # Replicas with a GPU each do not slow each other as CPU replicas of one node do.
+        cost = CostModel(shape.kv_bytes, shared_compute=self.config.pool.num_gpus == 0)
         decode_engines = pools.get("decode_engines")
         if decode_engines is None:
             self.runner = TurnRunner(

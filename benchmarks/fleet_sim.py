@@ -121,7 +121,8 @@ class Fleet:
         self.directory = KVDirectory(profile.block_size, clock=lambda: self.now, max_entries=50_000_000,
                                      max_bytes=1 << 40)
         self.trackers: dict[str, dict[str, ResidentTracker]] = {}
-        self.cost = CostModel(lambda n: n * profile.kv_bytes_per_token)
+        self.cost = CostModel(lambda n: n * profile.kv_bytes_per_token,
+                              shared_compute=profile.contention_per_busy_peer > 0)
         self.cost.set_nodes({e.replica_id: e.node for e in self.engines})
         self.met: set[tuple[str, str]] = set()
         self.result = FleetResult()

@@ -86,6 +86,8 @@ class EstimateError:
 
     MIN_SAMPLES = 8
     BUSY_NODE = "_busy_node"  # a kind's suffix beside a busy peer
+    # The share of turns whose estimate, corrected by the median, lands within a kind's uncertainty.
+    SPREAD_QUANTILE = 0.8
 
     def __init__(self, window: int = 64) -> None:
         self.window = window
@@ -96,6 +98,10 @@ class EstimateError:
         self._offsets: dict[str, float] = {}
         self._pool_offsets: dict[bool, float] = {}
         self._overall = 0.0
+        # How far single turns land from that median (SPREAD_QUANTILE of |error - median|), likewise.
+        self._spreads: dict[str, float] = {}
+        self._pool_spreads: dict[bool, float] = {}
+        self._overall_spread = 0.0
 
     @staticmethod
     def kind(mode: str, busy_peers: int) -> str:
@@ -107,14 +113,20 @@ class EstimateError:
         kind, busy = self.kind(mode, busy_peers), busy_peers > 0
         error = measured_ms - estimate_ms
         # statistics.median: numpy's converts the deque and checks for NaNs first, ten times the cost for 64 floats.
-        for errors, offsets, key in ((self._errors.setdefault(kind, deque(maxlen=self.window)), self._offsets, kind),
-                                     (self._pools[busy], self._pool_offsets, busy)):
+        for errors, offsets, spreads, key in (
+                (self._errors.setdefault(kind, deque(maxlen=self.window)), self._offsets, self._spreads, kind),
+                (self._pools[busy], self._pool_offsets, self._pool_spreads, busy)):
             errors.append(error)
             if len(errors) >= self.MIN_SAMPLES:
-                offsets[key] = statistics.median(errors)
+                offsets[key], spreads[key] = self._median_and_spread(errors)
         self._all.append(error)
         if len(self._all) >= self.MIN_SAMPLES:
-            self._overall = statistics.median(self._all)
+            self._overall, self._overall_spread = self._median_and_spread(self._all)
+
+    def _median_and_spread(self, errors: deque[float]) -> tuple[float, float]:
+        median = statistics.median(errors)
+        deviations = sorted(abs(e - median) for e in errors)
+        return median, deviations[min(len(deviations) - 1, int(self.SPREAD_QUANTILE * len(deviations)))]
 
     def offset_ms(self, mode: str, busy_peers: int) -> float:
         return self._offset(self.kind(mode, busy_peers))
@@ -124,12 +136,24 @@ class EstimateError:
             return self._offsets[kind]
         return self._pool_offsets.get(kind.endswith(self.BUSY_NODE), self._overall)
 
+    def uncertainty_ms(self, mode: str, busy_peers: int) -> float:
+        """How far a corrected estimate of this kind is from the measured time for most turns (SPREAD_QUANTILE of
+        |error - median| over its window; a kind with too few samples takes its pool's, else all kinds'). 0 before
+        any kind has MIN_SAMPLES: then only the stay margin guards a departure."""
+        kind = self.kind(mode, busy_peers)
+        if kind in self._spreads:
+            return self._spreads[kind]
+        return self._pool_spreads.get(kind.endswith(self.BUSY_NODE), self._overall_spread)
+
     def corrected(self, mode: str, busy_peers: int, estimate_ms: float) -> float:
         """`estimate_ms` plus the measured error of its kind; never below half the fits' estimate."""
         return max(estimate_ms / 2, estimate_ms + self.offset_ms(mode, busy_peers))
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {k: {"offset_ms": round(self._offset(k), 2), "samples": len(v)} for k, v in sorted(self._errors.items())}
+        return {k: {"offset_ms": round(self._offset(k), 2),
+                    "uncertainty_ms": round(self._spreads.get(k, self._pool_spreads.get(k.endswith(self.BUSY_NODE),
+                                                                                        self._overall_spread)), 2),
+                    "samples": len(v)} for k, v in sorted(self._errors.items())}
 
 
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:
@@ -171,8 +195,11 @@ class CostModel:
     TURN_WINDOW = 256
     MIN_PLACED_TURNS = 16
 
-    def __init__(self, kv_bytes: Callable[[int], int], window: int = 64) -> None:
+    def __init__(self, kv_bytes: Callable[[int], int], window: int = 64, shared_compute: bool = True) -> None:
         self.kv_bytes = kv_bytes
+        # Whether the engines of a node share its compute (CPU replicas) and so slow each other; with a GPU each
+        # they do not, and the planner neither prices nor tells apart turns beside busy engines.
+        self.shared_compute = shared_compute
         self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
         self._window = window
@@ -239,7 +266,7 @@ class CostModel:
 
     def slowdown(self, busy_peers: int, replica_id: str | None = None) -> float:
         """How much longer work takes on a replica while `busy_peers` other engines on its node are busy."""
-        if busy_peers <= 0:
+        if busy_peers <= 0 or not self.shared_compute:
             return 1.0
         return 1.0 + max(0.0, self._contention(replica_id).predict((float(busy_peers),)))
 
@@ -275,6 +302,8 @@ class CostModel:
     def contention_impact_ms(self, overlap_ms: float, requests: float, replica_id: str | None = None) -> float:
         """Delay imposed on `requests` requests working on a busy engine of a node while one more of its engines
         (`replica_id`) works beside them for `overlap_ms`: each runs slower by the node's slowdown per busy peer."""
+        if not self.shared_compute:
+            return 0.0
         per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))
         return per_peer * overlap_ms * requests
 

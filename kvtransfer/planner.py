@@ -19,6 +19,7 @@ plan still reports every estimate.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Collection, Sequence
 from enum import StrEnum
 from typing import NamedTuple
@@ -168,7 +169,7 @@ def _options(
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
-                                  cost.error.corrected(mode, replica.busy_peers, ms), own_hold, ms,
+                                  cost.error.corrected(mode, contending_peers(replica, cost), ms), own_hold, ms,
                                   _impact_ms(replica, compute, output_tokens, cost, future)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
@@ -180,9 +181,19 @@ def _options(
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  cost.error.corrected(Mode.PULL, replica.busy_peers, ms), hold, ms,
+                                  cost.error.corrected(Mode.PULL, contending_peers(replica, cost), ms), hold, ms,
                                   _impact_ms(replica, rest, output_tokens, cost, future)))
     return options
+
+
+def contending_peers(replica: ReplicaView, cost: CostModel) -> int:
+    """The busy engines beside `replica` that slow it: all of them where a node's engines share compute (CPU
+    replicas, `CostModel.shared_compute`), else none. The planner's estimate error is kept apart for turns beside
+    busy engines (their estimates also carry the contention fit's miss); where each engine has its own GPU, the
+    node's other busy GPUs are no such thing, and splitting by them charged a holder beside busy GPUs the error
+    that first turns made under load, so later turns left their cached history for a GPU on a quieter node
+    (modelled: H100 profile, think-time workload, `benchmarks.fleet`)."""
+    return replica.busy_peers if cost.shared_compute else 0
 
 
 def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
@@ -274,11 +285,12 @@ def plan_turn(
             o.mode is mode or (mode is Mode.RECOMPUTE and o.mode is not Mode.PULL))]
         if not candidates:
             raise ValueError(f"no {mode.value} option on replica {replica_id} for this turn")
-        chosen = _fastest(candidates, preferred_replica)
+        chosen = _fastest(candidates, preferred_replica, rotation)
         if mode is Mode.RECOMPUTE:
             chosen = chosen._replace(mode=Mode.RECOMPUTE, reused_tokens=0, cached_tokens=0, hold=None)
     elif policy is Policy.KVRELAY:
-        chosen = _stay_unless_clearly_faster(options, _fastest(options, preferred_replica))
+        peers = {r.replica_id: contending_peers(r, cost) for r in replicas}
+        chosen = _stay_unless_clearly_faster(options, _fastest(options, preferred_replica, rotation), cost, peers)
     else:
         chosen = _baseline_choice(policy, options, lookup, replicas, preferred_replica, rotation)
     estimates: dict[str, float] = {}
@@ -302,7 +314,7 @@ def plan_turn(
             m.hold for m in lookup.matches
             if m.hold is not None and not (reads_hold(chosen) and m.hold.hold_id == chosen.hold.hold_id)
         ),
-        busy_peers=next(r.busy_peers for r in replicas if r.replica_id == chosen.replica_id),
+        busy_peers=next(contending_peers(r, cost) for r in replicas if r.replica_id == chosen.replica_id),
         model_ms=round(chosen.model_ms, 2),
         impact_ms=round(chosen.impact_ms, 2),
     )
@@ -315,24 +327,33 @@ def reads_hold(plan: Plan | Option) -> bool:
         plan.mode is Mode.PULL or (plan.mode is Mode.LOCAL and plan.reused_tokens > plan.cached_tokens))
 
 
-def _fastest(options: Sequence[Option], preferred_replica: str | None) -> Option:
+def _fastest(options: Sequence[Option], preferred_replica: str | None, rotation: int = 0) -> Option:
     """The option with the lowest cost; within 2% and STAY_MARGIN_MS of it, the preferred replica's (replicas'
-    measured speeds differ by a few percent, and a short turn's estimates by a few milliseconds of noise)."""
+    measured speeds differ by a few percent, and a short turn's estimates by a few milliseconds of noise). Options
+    that cost the same to a tenth of a millisecond (idle replicas alike) are taken in an order that `rotation`
+    shuffles: taking the first listed sent every new conversation without a session to the same idle replica
+    until it was busy, and a fleet's first turns queued on its first few replicas (modelled: 16 H100 replicas)."""
     best_ms = min(o.cost_ms for o in options)
 
-    def rank(o: Option) -> tuple[bool, float, float]:
+    def rank(o: Option) -> tuple[bool, float, float, int]:
         near_best = o.cost_ms <= best_ms * 1.02 + STAY_MARGIN_MS
-        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.cost_ms)
+        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, round(o.cost_ms, 1),
+                zlib.crc32(f"{rotation}:{o.replica_id}".encode()))
 
     return min(options, key=rank)
 
 
-def _stay_unless_clearly_faster(options: Sequence[Option], fastest: Option) -> Option:
+def _stay_unless_clearly_faster(
+    options: Sequence[Option], fastest: Option, cost: CostModel, busy_peers: dict[str, int]
+) -> Option:
     """`fastest`, unless it leaves the replica caching the longest part of the history, or pulls onto it what it
     could compute from its own cache, without costing at least STAY_MARGIN and STAY_MARGIN_MS less than staying
-    there. A pull costs more than its estimate shows: the holder's CPU for the transfer, and a second copy of the
+    there, and less by more than the planner's measured uncertainty for the two kinds of turn (`departure_noise_ms`).
+    A pull costs more than its estimate shows: the holder's CPU for the transfer, and a second copy of the
     KV (measured in P/D, where kvrelay pulled onto the prefill replica whenever the estimate was a few percent
-    lower: every turn of that run came slower than on the replica's own cache alone)."""
+    lower: every turn of that run came slower than on the replica's own cache alone). And a gain within what the
+    estimates miss by is no gain: with a badly calibrated cost model (an error offset learned on other turns, a
+    kind with few samples) the planner keeps the affinity choice instead of moving on noise."""
     stays = [o for o in options if o.mode is Mode.LOCAL]
     if not stays:
         return fastest
@@ -341,9 +362,18 @@ def _stay_unless_clearly_faster(options: Sequence[Option], fastest: Option) -> O
     stay = min((o for o in stays if o.replica_id in homes), key=lambda o: o.cost_ms)
     if fastest.replica_id == stay.replica_id and fastest.mode is not Mode.PULL:
         return fastest
-    if fastest.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS:
+    noise = departure_noise_ms(stay, fastest, cost, busy_peers)
+    if fastest.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS - noise:
         return fastest
     return stay
+
+
+def departure_noise_ms(stay: Option, move: Option, cost: CostModel, busy_peers: dict[str, int]) -> float:
+    """How much of a move's estimated gain over staying could be the estimates' own error: the two kinds' measured
+    uncertainties (`EstimateError.uncertainty_ms`), combined as independent errors."""
+    u_stay = cost.error.uncertainty_ms(stay.mode, busy_peers.get(stay.replica_id, 0))
+    u_move = cost.error.uncertainty_ms(move.mode, busy_peers.get(move.replica_id, 0))
+    return (u_stay**2 + u_move**2) ** 0.5
 
 
 def _baseline_choice(

