@@ -111,7 +111,8 @@ def markdown(data: dict[str, Any]) -> str:
 
 def sensitivity(base: EngineProfile, replicas: int, workload: str, seed: int, slo_ms: float, load: float,
                 bandwidths: list[float], prefill_scales: list[float]) -> dict[str, Any]:
-    """kvrelay's p50 gain over prefix affinity across pull bandwidth x prefill speed (profile scaled)."""
+    """kvrelay's p50 gain over prefix affinity (and over session affinity, the best other router on this fleet)
+    across pull bandwidth x prefill speed (the profile's compute scaled)."""
     grid = []
     for scale in prefill_scales:
         for gb_s in bandwidths:
@@ -120,13 +121,18 @@ def sensitivity(base: EngineProfile, replicas: int, workload: str, seed: int, sl
                 "prefill_ms_per_ktoken_ctx": base.prefill_ms_per_ktoken_ctx / scale,
                 "same_node": Link(fixed_ms=base.same_node.fixed_ms, gb_s=gb_s),
                 "other_node": Link(fixed_ms=base.other_node.fixed_ms, gb_s=gb_s)})
-            p50 = {p: run_policy(profile, replicas, p, workload, "aggregated", seed, slo_ms, load)[0]["ttft_ms"]["p50"]
-                   for p in ("kvrelay", "prefix_affinity")}
+            runs = {p: run_policy(profile, replicas, p, workload, "aggregated", seed, slo_ms, load)[0]
+                    for p in ("kvrelay", "prefix_affinity", "session")}
+            p50 = {p: r["ttft_ms"]["p50"] for p, r in runs.items()}
             grid.append({"prefill_speed_x": scale, "pull_gb_s": gb_s, "kvrelay_p50": p50["kvrelay"],
-                         "prefix_affinity_p50": p50["prefix_affinity"],
-                         "gain": round(p50["prefix_affinity"] / p50["kvrelay"], 3)})
-            print(f"prefill x{scale} pull {gb_s} GB/s: gain {grid[-1]['gain']}", flush=True)
-    return {"profile": base.name, "replicas": replicas, "workload": workload, "load": load, "grid": grid}
+                         "prefix_affinity_p50": p50["prefix_affinity"], "session_p50": p50["session"],
+                         "kvrelay_pulls": runs["kvrelay"]["pulls"],
+                         "gain": round(p50["prefix_affinity"] / p50["kvrelay"], 3),
+                         "gain_over_session": round(p50["session"] / p50["kvrelay"], 3)})
+            print(f"prefill x{scale} pull {gb_s} GB/s: gain {grid[-1]['gain']} "
+                  f"(over session {grid[-1]['gain_over_session']}), {grid[-1]['kvrelay_pulls']} pulls", flush=True)
+    return {"profile": base.name, "replicas": replicas, "workload": workload, "load": load,
+            "fixed_handover_ms": base.other_node.fixed_ms, "grid": grid}
 
 
 def plot_sensitivity(out: Path, data: dict[str, Any]) -> None:
@@ -141,7 +147,13 @@ def plot_sensitivity(out: Path, data: dict[str, Any]) -> None:
              for b in bws] for s in scales]
     fig, ax = plt.subplots(figsize=(7, 4))
     im = ax.imshow(gain, origin="lower", aspect="auto", cmap="RdYlGn", vmin=0.8, vmax=1.6)
-    ax.contour(gain, levels=[1.0], colors="black")  # the crossover: below it pulling stops paying
+    pulls = [[next(g["kvrelay_pulls"] for g in data["grid"] if g["prefill_speed_x"] == s and g["pull_gb_s"] == b)
+              for b in bws] for s in scales]
+    for i, row in enumerate(pulls):
+        for j, n in enumerate(row):
+            ax.text(j, i, f"{gain[i][j]:.2f}\n{n} pulls", ha="center", va="center", fontsize=7)
+    # Where kvrelay starts pulling: left of the line pulls do not pay and it runs as an affinity router.
+    ax.contour([[1.0 if n else 0.0 for n in row] for row in pulls], levels=[0.5], colors="black")
     ax.set_xticks(range(len(bws)), [f"{b:g}" for b in bws])
     ax.set_yticks(range(len(scales)), [f"{s:g}x" for s in scales])
     ax.set_xlabel("pull bandwidth (GB/s)")

@@ -118,8 +118,9 @@ class Fleet:
         self.decode_pool = [e.replica_id for e in self.engines[n_prefill:]] if topology == "disaggregated" else []
         for rid in self.prefill_pool or ():
             self.by_id[rid].prefix_caching = prefill_prefix_caching
+        # The app's directory stops offering a hold this long before its lease ends (app/builder.py).
         self.directory = KVDirectory(profile.block_size, clock=lambda: self.now, max_entries=50_000_000,
-                                     max_bytes=1 << 40)
+                                     max_bytes=1 << 40, expiry_margin_s=min(10.0, 0.3 * profile.hold_ttl_s))
         self.trackers: dict[str, dict[str, ResidentTracker]] = {}
         self.cost = CostModel(lambda n: n * profile.kv_bytes_per_token,
                               shared_compute=profile.contention_per_busy_peer > 0)
