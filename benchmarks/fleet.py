@@ -60,14 +60,7 @@ def run_policy(profile: EngineProfile, replicas: int, policy: str, workload_name
     workload = load_workload(workload_name).scaled(replicas, load)
     baseline = policy == "recompute"
     fleet = Fleet(profile, replicas, Policy.ROUND_ROBIN if baseline else Policy(policy), seed, topology,
-                  prefill_prefix_caching=topology != "disaggregated")
-    calibrate = fleet.calibrate
-
-    def calibrate_then_force() -> None:
-        calibrate()
-        fleet.baseline_forces = baseline
-
-    fleet.calibrate = calibrate_then_force
+                  prefill_prefix_caching=topology != "disaggregated", recompute_baseline=baseline)
     started = time.perf_counter()
     result = fleet.run(workload)
     summary = summarize(result, slo_ms) | {"wall_s": round(time.perf_counter() - started, 1)}

@@ -15,7 +15,6 @@ Deterministic for a seed: one heap of events, ties broken by insertion order.
 from __future__ import annotations
 
 import heapq
-import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from actors.kv_events import ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope
 from benchmarks.fleet_workloads import Conversation, Workload, conversations
 from configs.app import Policy
-from kvtransfer.calibration import CALIBRATION_TENANT, CONTENTION_LENGTHS
+from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import preferred_replica, with_busy_peers
 from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn, reads_hold
@@ -97,7 +96,7 @@ class Fleet:
 
     def __init__(self, profile: EngineProfile, replicas: int, policy: Policy, seed: int = 0,
                  topology: str = "aggregated", prefill_replicas: int | None = None,
-                 prefill_prefix_caching: bool = True) -> None:
+                 prefill_prefix_caching: bool = True, recompute_baseline: bool = False) -> None:
         self.profile = profile
         self.policy = policy
         self.seed = seed
@@ -111,8 +110,10 @@ class Fleet:
             e.on_first_token = self._first_token
             e.on_finish = self._finished
         self.topology = topology
-        # P/D's recompute baseline (`recompute`): every turn forced to recompute on the least busy prefill replica.
-        self.baseline_forces = False
+        # P/D's recompute baseline (`recompute`): every served turn forced to recompute on the least busy prefill
+        # replica (the calibration before serving runs as the app's does).
+        self.recompute_baseline = recompute_baseline
+        self._serving = False
         n_prefill = prefill_replicas if prefill_replicas is not None else max(1, replicas // 2)
         self.prefill_pool = [e.replica_id for e in self.engines[:n_prefill]] if topology == "disaggregated" else None
         self.decode_pool = [e.replica_id for e in self.engines[n_prefill:]] if topology == "disaggregated" else []
@@ -209,7 +210,8 @@ class Fleet:
         policy = tenant_policy or self.policy
         pulls = policy.pulls and len(self.engines) > 1
         turn_index: int | None = index
-        if force is None and self.baseline_forces:
+        baseline = self.recompute_baseline and self._serving
+        if force is None and baseline:
             least = min(self.prefill_pool or self.by_id, key=lambda i: (len(self.by_id[i].running)
                                                                          + len(self.by_id[i].waiting), i))
             force = (Mode.RECOMPUTE, least)
@@ -236,7 +238,7 @@ class Fleet:
                              self.now, cache_salt=conv.tenant,
                              skip_cache=force is not None and force[0] is Mode.RECOMPUTE,
                              export_hold=disaggregated or pulls)
-        t = _Turn(live, index, plan, self.now, prompt, request, forced=force is not None and not self.baseline_forces,
+        t = _Turn(live, index, plan, self.now, prompt, request, forced=force is not None and not baseline,
                   on_done=on_done)
         t.output = output
         t.pulls = pulls
@@ -373,48 +375,13 @@ class Fleet:
         return _Live(conv, list(conv.prefix_tokens), [], PrefixKey.build(conv.prefix_tokens, scope,
                                                                         self.profile.block_size))
 
-    def calibrate(self) -> None:
-        """The start-up calibration's forced turns (`kvtransfer.calibration.calibrate`), one at a time: NIXL's
-        handshakes both ways, a recompute, a pull and a local follow-up per length, prefills beside a busy peer."""
-        rng = random.Random(self.seed + 7)
-        ids = self.prefill_pool or [e.replica_id for e in self.engines]
-        if len(ids) < 2:
-            return
-        from benchmarks.fleet_workloads import Turn
-
-        def conv(n: int) -> _Live:
-            tokens = [rng.randrange(100, 32000) for _ in range(n)]
-            turns = [Turn(user_tokens=[], output_tokens=[rng.randrange(100, 32000)], think_s=0)] + [
-                Turn(user_tokens=[rng.randrange(100, 32000) for _ in range(32)],
-                     output_tokens=[rng.randrange(100, 32000)], think_s=0) for _ in range(2)]
-            c = Conversation(conv_id=f"cal{rng.random()}", tenant=CALIBRATION_TENANT, start_s=0,
-                             prefix_tokens=tokens, turns=turns)
-            return self.new_conversation(c)
-
-        def forced(live: _Live, mode: Mode, replica: str) -> None:
-            finished: list[bool] = []
-            self.start_turn(live, (mode, replica), Policy.KVRELAY, on_done=lambda: finished.append(True))
-            self.run_until_idle(done=lambda: bool(finished))
-
-        def pull_after_recompute(n: int, holder: str, puller: str, local: bool = True) -> None:
-            live = conv(n)
-            forced(live, Mode.RECOMPUTE, holder)
-            forced(live, Mode.PULL, puller)
-            if local and self.by_id[holder].prefix_caching:
-                forced(live, Mode.LOCAL, holder)
-
-        pull_after_recompute(64, ids[0], ids[1], local=False)
-        pull_after_recompute(64, ids[1], ids[0], local=False)
-        self.cost.learn_handshake()
-        for n in (64, 256, 1024, 2048):
-            pull_after_recompute(n, ids[0], ids[1])
-        for n in list(CONTENTION_LENGTHS) * 2:
-            forced(conv(n), Mode.RECOMPUTE, ids[0])
-        self.result = FleetResult()  # serving starts counting now
-
     def run(self, workload: Workload) -> FleetResult:
         """Serve every conversation of the workload (calibrating first); returns what each turn measured."""
-        self.calibrate()
+        from benchmarks.fleet_calibration import calibrate
+
+        calibrate(self)
+        self.result = FleetResult()  # serving starts counting now
+        self._serving = True
         start = self.now
         convs = conversations(workload, self.seed)
         queue = deque(convs)

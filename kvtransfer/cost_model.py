@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtransfer.estimate_error import EstimateError
+
 
 class OnlineLinearFit:
     """Non-negative least squares over a sliding window of (features, y) samples."""
@@ -70,90 +72,6 @@ class OnlineLinearFit:
 
     def as_dict(self) -> dict[str, float]:
         return {n: float(c) for n, c in zip(self.names, self.coef, strict=True)} | {"samples": len(self.samples)}
-
-
-class EstimateError:
-    """Measured minus estimated time to first token per kind of option, over a sliding window (mutates on observe).
-
-    Additive, because most of what the fits leave out is a fixed cost per request (Serve's hops, scheduling)
-    that a ratio would inflate on short turns. A kind with too few samples of its own takes the median over the kinds
-    of its pool (alone on the node, or beside a busy peer), else over all kinds, so a rarely chosen option is not made
-    to look cheaper than the ones whose overhead has been measured. Pools, because a turn beside a busy peer also
-    carries the contention fit's miss: on the tiny test model after the start-up calibration, local turns (3 samples)
-    took the median over all kinds, 46 ms, against 37 for recompute alone (its own 15 samples), so staying where the
-    history is cached looked 9 ms dearer than it was.
-    """
-
-    MIN_SAMPLES = 8
-    BUSY_NODE = "_busy_node"  # a kind's suffix beside a busy peer
-    # The share of turns whose estimate, corrected by the median, lands within a kind's uncertainty.
-    SPREAD_QUANTILE = 0.8
-
-    def __init__(self, window: int = 64) -> None:
-        self.window = window
-        self._errors: dict[str, deque[float]] = {}
-        self._all: deque[float] = deque(maxlen=window)
-        self._pools: dict[bool, deque[float]] = {busy: deque(maxlen=window) for busy in (False, True)}
-        # Medians, refreshed on observe (once per turn) so that planning only reads them.
-        self._offsets: dict[str, float] = {}
-        self._pool_offsets: dict[bool, float] = {}
-        self._overall = 0.0
-        # How far single turns land from that median (SPREAD_QUANTILE of |error - median|), likewise.
-        self._spreads: dict[str, float] = {}
-        self._pool_spreads: dict[bool, float] = {}
-        self._overall_spread = 0.0
-
-    @staticmethod
-    def kind(mode: str, busy_peers: int) -> str:
-        return f"{mode}{EstimateError.BUSY_NODE}" if busy_peers > 0 else mode
-
-    def observe(self, mode: str, busy_peers: int, estimate_ms: float, measured_ms: float) -> None:
-        if estimate_ms <= 0 or measured_ms <= 0:
-            return
-        kind, busy = self.kind(mode, busy_peers), busy_peers > 0
-        error = measured_ms - estimate_ms
-        # statistics.median: numpy's converts the deque and checks for NaNs first, ten times the cost for 64 floats.
-        for errors, offsets, spreads, key in (
-                (self._errors.setdefault(kind, deque(maxlen=self.window)), self._offsets, self._spreads, kind),
-                (self._pools[busy], self._pool_offsets, self._pool_spreads, busy)):
-            errors.append(error)
-            if len(errors) >= self.MIN_SAMPLES:
-                offsets[key], spreads[key] = self._median_and_spread(errors)
-        self._all.append(error)
-        if len(self._all) >= self.MIN_SAMPLES:
-            self._overall, self._overall_spread = self._median_and_spread(self._all)
-
-    def _median_and_spread(self, errors: deque[float]) -> tuple[float, float]:
-        median = statistics.median(errors)
-        deviations = sorted(abs(e - median) for e in errors)
-        return median, deviations[min(len(deviations) - 1, int(self.SPREAD_QUANTILE * len(deviations)))]
-
-    def offset_ms(self, mode: str, busy_peers: int) -> float:
-        return self._offset(self.kind(mode, busy_peers))
-
-    def _offset(self, kind: str) -> float:
-        if kind in self._offsets:
-            return self._offsets[kind]
-        return self._pool_offsets.get(kind.endswith(self.BUSY_NODE), self._overall)
-
-    def uncertainty_ms(self, mode: str, busy_peers: int) -> float:
-        """How far a corrected estimate of this kind is from the measured time for most turns (SPREAD_QUANTILE of
-        |error - median| over its window; a kind with too few samples takes its pool's, else all kinds'). 0 before
-        any kind has MIN_SAMPLES: then only the stay margin guards a departure."""
-        kind = self.kind(mode, busy_peers)
-        if kind in self._spreads:
-            return self._spreads[kind]
-        return self._pool_spreads.get(kind.endswith(self.BUSY_NODE), self._overall_spread)
-
-    def corrected(self, mode: str, busy_peers: int, estimate_ms: float) -> float:
-        """`estimate_ms` plus the measured error of its kind; never below half the fits' estimate."""
-        return max(estimate_ms / 2, estimate_ms + self.offset_ms(mode, busy_peers))
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        return {k: {"offset_ms": round(self._offset(k), 2),
-                    "uncertainty_ms": round(self._spreads.get(k, self._pool_spreads.get(k.endswith(self.BUSY_NODE),
-                                                                                        self._overall_spread)), 2),
-                    "samples": len(v)} for k, v in sorted(self._errors.items())}
 
 
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:
