@@ -329,16 +329,16 @@ def reads_hold(plan: Plan | Option) -> bool:
 
 def _fastest(options: Sequence[Option], preferred_replica: str | None, rotation: int = 0) -> Option:
     """The option with the lowest cost; within 2% and STAY_MARGIN_MS of it, the preferred replica's (replicas'
-    measured speeds differ by a few percent, and a short turn's estimates by a few milliseconds of noise). Options
-    that cost the same to a tenth of a millisecond (idle replicas alike) are taken in an order that `rotation`
+    measured speeds differ by a few percent, and a short turn's estimates by a few milliseconds of noise). Of options
+    that cost exactly the same, the one reusing more; then (idle replicas alike) in an order that `rotation`
     shuffles: taking the first listed sent every new conversation without a session to the same idle replica
     until it was busy, and a fleet's first turns queued on its first few replicas (modelled: 16 H100 replicas)."""
     best_ms = min(o.cost_ms for o in options)
 
-    def rank(o: Option) -> tuple[bool, float, float, int]:
+    def rank(o: Option) -> tuple[bool, float, float, int, int]:
         near_best = o.cost_ms <= best_ms * 1.02 + STAY_MARGIN_MS
-        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, round(o.cost_ms, 1),
-                zlib.crc32(f"{rotation}:{o.replica_id}".encode()))
+        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.cost_ms,
+                -o.reused_tokens, zlib.crc32(f"{rotation}:{o.replica_id}".encode()))
 
     return min(options, key=rank)
 
