@@ -6,8 +6,10 @@ requests first come first served while budget, `max_num_seqs` and free KV blocks
 being pulled is admitted only once its transfer is done (`kv_ready_at`). A prefill's last chunk yields the first
 token at the end of its step; each later step one token more. Full blocks join the prefix cache as they are
 computed; a finished request's blocks are freed, or kept as a hold (`Hold`) until it is pulled, released or its
-lease ends. Left out: preemption (a request that finds no block for its next token waits a step), speculative
-decoding, and bandwidth shared between simultaneous transfers.
+lease ends, as long as holds pin at most `max_held_fraction` of the cache (kvrelay's `nixl.max_held_fraction`).
+A request is admitted only with blocks for its whole reply, where vLLM allocates a block at a time and preempts
+a running request when none is left: no preemption, and so no request ever stalls mid-reply. Left out too:
+speculative decoding, and bandwidth shared between simultaneous transfers.
 
 The caller drives time: `next_step(now)` starts a step if there is work and returns when it ends; `finish_step()`
 applies it. Not thread-safe.
@@ -89,7 +91,7 @@ class SimEngine:
     """One modelled replica."""
 
     def __init__(self, replica_id: str, node: str, profile: EngineProfile,
-                 busy_peers: Callable[[SimEngine], int] = lambda _: 0) -> None:
+                 busy_peers: Callable[[SimEngine], int] = lambda _: 0, max_held_fraction: float = 0.5) -> None:
         self.replica_id = replica_id
         self.node = node
         self.profile = profile
@@ -97,6 +99,7 @@ class SimEngine:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.holds: dict[str, Hold] = {}
+        self.max_held_fraction = max_held_fraction
         # vLLM's enable_prefix_caching: off, a request reuses only what it pulls, and no block is cached.
         self.prefix_caching = True
         self._busy_peers = busy_peers
@@ -218,7 +221,7 @@ class SimEngine:
         prompt_blocks = r.prompt_len // bs
         cached = 0 if r.skip_cache or not self.prefix_caching else self.cache.match(r.hashes[:prompt_blocks])
         reused = min(max(cached * bs, r.pulled_tokens), r.prompt_len - 1)
-        needed = math.ceil((r.prompt_len + 1) / bs) - cached
+        needed = math.ceil((r.prompt_len + len(r.output_ids)) / bs) - cached
         if not self.cache.acquire(r.hashes[:cached], needed):
             return False
         r.refs = list(r.hashes[:cached])
@@ -254,7 +257,8 @@ class SimEngine:
         r.finished_at = now
         self.running.remove(r)
         hold = None
-        if r.export_hold:
+        held = sum(len(h.refs) + h.private for h in self.holds.values())
+        if r.export_hold and held + len(r.refs) + r.private <= self.max_held_fraction * self.cache.num_blocks:
             hold = Hold(self, r.request_id, r.prompt_len + r.generated - 1, r.refs, r.private,
                         now + self.profile.hold_ttl_s)
             self.holds[r.request_id] = hold
