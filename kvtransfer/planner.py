@@ -290,7 +290,10 @@ def plan_turn(
             chosen = chosen._replace(mode=Mode.RECOMPUTE, reused_tokens=0, cached_tokens=0, hold=None)
     elif policy is Policy.KVRELAY:
         peers = {r.replica_id: contending_peers(r, cost) for r in replicas}
-        chosen = _stay_unless_clearly_faster(options, _fastest(options, preferred_replica, rotation), cost, peers)
+        fastest = _fastest(options, preferred_replica, rotation)
+        # A conversation's first turn has no history of its own to stay with: what it finds cached is a prefix other
+        # conversations share (a system prompt), which any replica can compute once and then keep.
+        chosen = fastest if turn_index == 0 else _stay_unless_clearly_faster(options, fastest, cost, peers)
     else:
         chosen = _baseline_choice(policy, options, lookup, replicas, preferred_replica, rotation)
     estimates: dict[str, float] = {}

@@ -749,3 +749,16 @@ def test_idle_replicas_alike_share_new_conversations_between_them():
     views = [ReplicaView(f"r{i}") for i in range(16)]
     chosen = {plan_turn(300, lookup(300), views, cost, rotation=turn).replica_id for turn in range(64)}
     assert len(chosen) >= 12  # not every new conversation on the first idle replica listed
+
+
+def test_a_first_turn_is_not_held_to_the_replica_caching_a_shared_system_prompt():
+    # "a" caches the 2,000-token system prompt every conversation of a tenant starts with, and is busy; "b" is idle.
+    # A later turn of a conversation living on "a" would stay there unless moving is clearly faster; a first turn has
+    # no history of its own there, so it goes where its first token comes soonest.
+    cost = calibrated(prefill_ms_per_token=0.05)
+    found = lookup(2100, ReplicaMatch("a", 2000, "resident", 2000, None))
+    views = [ReplicaView("a", running=4, decode_tok_s=20.0, prefill_tokens=1000, prefilling=2), ReplicaView("b")]
+    later = plan_turn(2100, found, views, cost, turn_index=3)
+    first = plan_turn(2100, found, views, cost, turn_index=0)
+    assert first.estimate_ms < later.estimate_ms
+    assert (later.replica_id, first.replica_id) == ("a", "b")
