@@ -140,7 +140,8 @@ def plot_sensitivity(out: Path, data: dict[str, Any]) -> None:
     gain = [[next(g["gain"] for g in data["grid"] if g["prefill_speed_x"] == s and g["pull_gb_s"] == b)
              for b in bws] for s in scales]
     fig, ax = plt.subplots(figsize=(7, 4))
-    im = ax.imshow(gain, origin="lower", aspect="auto", cmap="RdYlGn", vmin=0.8, vmax=1.6)
+    flat = [g for row in gain for g in row]
+    im = ax.imshow(gain, origin="lower", aspect="auto", cmap="RdYlGn", vmin=min(1.0, *flat), vmax=max(1.0, *flat))
     pulls = [[next(g["kvrelay_pulls"] for g in data["grid"] if g["prefill_speed_x"] == s and g["pull_gb_s"] == b)
               for b in bws] for s in scales]
     for i, row in enumerate(pulls):
@@ -152,7 +153,7 @@ def plot_sensitivity(out: Path, data: dict[str, Any]) -> None:
     ax.set_yticks(range(len(scales)), [f"{s:g}x" for s in scales])
     ax.set_xlabel("pull bandwidth (GB/s)")
     ax.set_ylabel("prefill speed vs profile")
-    ax.set_title(f"kvrelay p50 gain over prefix affinity (modelled, {data['profile']}, {data['workload']})")
+    ax.set_title(f"kvrelay's p50 gain over prefix affinity\n(modelled: {data['profile']}, {data['workload']})")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=90)
