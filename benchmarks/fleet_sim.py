@@ -133,7 +133,6 @@ class Fleet:
         self._arrivals: dict[str, deque[tuple[float, str]]] = {e.replica_id: deque() for e in self.engines}
         self._rotation = 0
         self._request_seq = 0
-        self._done_convs: Counter = Counter()
         self._last_finish = 0.0
 
     # ----- the event loop
@@ -391,7 +390,6 @@ class Fleet:
 
             def next_turn() -> None:
                 if live.next_turn >= len(conv.turns):
-                    self._done_convs["done"] += 1
                     if workload.arrival == "concurrency" and queue:
                         run_conversation(queue.popleft())
                     return

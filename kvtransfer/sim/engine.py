@@ -104,10 +104,8 @@ class SimEngine:
         self.prefix_caching = True
         self._busy_peers = busy_peers
         self._step: list[tuple[SimRequest, int]] | None = None  # (request, tokens) of the step in flight
-        self.step_started_at = 0.0
         self.last_step_ms: float | None = None
         self.steps = 0
-        self.busy_ms = 0.0
         self.on_first_token: Callable[[SimRequest], None] = lambda r: None
         self.on_finish: Callable[[SimRequest, Hold | None], None] = lambda r, h: None
 
@@ -130,9 +128,6 @@ class SimEngine:
 
     def add(self, request: SimRequest) -> None:
         self.waiting.append(request)
-
-    def hold_blocks(self, request: SimRequest) -> Hold | None:
-        return self.holds.get(request.request_id)
 
     # ----- stepping
 
@@ -176,10 +171,8 @@ class SimEngine:
             if r.prefilling and len(batch) > 1:
                 r.ran_alone = False
         self._step = batch
-        self.step_started_at = now
         self.last_step_ms = ms
         self.steps += 1
-        self.busy_ms += ms
         return now + ms / 1e3
 
     def finish_step(self, now: float) -> None:
@@ -201,10 +194,6 @@ class SimEngine:
                 self._cache_blocks(r, full)
             if r.generated >= len(r.output_ids) and r.generated > 0:
                 self._finish(r, now)
-
-    def expire_holds(self, now: float) -> None:
-        for hold in [h for h in self.holds.values() if h.expires_at <= now]:
-            hold.release()
 
     # ----- internals
 
