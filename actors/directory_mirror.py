@@ -22,7 +22,7 @@ from typing import Any
 from actors.directory_changes import Changes
 from actors.kv_directory.index import KVDirectory
 from actors.prefix_hash import PrefixKey
-from actors.replica_api import ReplicaStats
+from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
 from kvtransfer.types import Hold, LookupResult
 
@@ -149,6 +149,10 @@ class DirectoryMirror:
         for replica_id in self._replicas.sweep():
             self._copy.drop_replica(replica_id)
         return self._replicas.live()
+
+    def identities(self) -> list[ReplicaIdentity]:
+        """How the replicas that reported lately are addressed, their processes included (read only)."""
+        return self._replicas.identities()
 
     # ----- writes (the actor first, then the copy)
 

@@ -512,6 +512,8 @@ class Ingress:
         directory_stats = await self.directory.stats.remote()
         plan_ms = sorted(self.runner.plan_ms)
         before, after = sorted(b for b, _ in self.own_ms), sorted(a for _, a in self.own_ms)
+        # Each replica's process and its vLLM engine processes, on the replica's node: what a supervisor checks.
+        processes = {i.replica_id: {"pid": i.pid, "engine_pids": i.engine_pids} for i in self.mirror.identities()}
         return {
             "ingress": self.location,
             "counters": dict(self.runner.counters),
@@ -525,7 +527,7 @@ class Ingress:
             "ingress_own_ms": {"before_engine_p50": before[len(before) // 2],
                                "after_engine_p50": after[len(after) // 2],
                                "samples": len(before)} if before else None,
-            "replicas": [r.model_dump() for r in self.runner.replicas()],
+            "replicas": [r.model_dump() | processes.get(r.replica_id, {}) for r in self.runner.replicas()],
             # Prompts whose history's tokens were reused rather than tokenized again (app/prompt_tokens.py).
             "prompt_token_reuse": self.frontend.prompt_tokens.public(),
         }

@@ -5,6 +5,7 @@ free ones, so it needs no fixed port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -134,53 +135,54 @@ def test_json_mode_returns_parseable_json(served):
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
+class ReplicaProcesses(NamedTuple):
+    pid: int  # the replica's own process (a Ray worker)
+    engine_pids: list[int]  # the vLLM engine processes it started
+
+
+def replica_processes(base_url: str, replicas: int) -> dict[str, ReplicaProcesses]:
+    """Each replica's process and its engine processes, as the replicas report them in `GET /kvrelay/stats`."""
+    reported = httpx.get(f"{base_url}/kvrelay/stats", timeout=30).json()["replicas"]
+    found = {r["replica_id"]: ReplicaProcesses(r["pid"], r["engine_pids"]) for r in reported}
+    assert len(found) == replicas and all(p.engine_pids for p in found.values()), reported
+    return found
+
+
+def running(found: dict[str, ReplicaProcesses]) -> list[psutil.Process]:
+    """The processes behind every reported pid, replicas' and engines' (raises NoSuchProcess if one is not running).
+    A `psutil.Process` also knows its start time, so a pid reused later by another process is not taken for it."""
+    return [psutil.Process(pid) for p in found.values() for pid in (p.pid, *p.engine_pids)]
+
+
+def still_running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of `processes` that still run (a zombie waiting to be reaped has ended)."""
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+def listening_pids(port: int) -> set[int]:
+    """The processes with a listening TCP socket on `port`."""
+    return {c.pid for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid is not None}
+
+
 def test_the_engines_compute_below_the_request_path(served):
     """On CPU `make serve` runs Ray's workers (the ingress, Serve's proxy and replicas) at nice 0 and the engine
     processes at 19, so the request path's work runs before the models' (docs/design.md)."""
-    # Looked at for up to 30 s. In about one CI run of four one engine process is not found in serve run's session
-    # at all (3 minutes of looking did not find it either; cause unknown): what is found must still run at 19, and
-    # that case is reported as an expected failure with every engine and Ray process and the end of the log.
-    for _ in range(30):
-        mine = [p for p in psutil.process_iter(["name", "nice"]) if _session_of(p.pid) == served.proc.pid]
-        engines = [p.info["nice"] for p in mine if (p.info["name"] or "").startswith("VLLM::EngineCor")]
-        serve = [p.info["nice"] for p in mine
-                 if (p.info["name"] or "").startswith(("ray::ServeRepli", "ray::ProxyActor"))]
-        if len(engines) == 2:
-            break
-        time.sleep(1)
-    found = _processes_of_the_app(served.proc.pid) + "\n" + served.log.read_text()[-4000:]
-    assert engines and set(engines) == {19}, found
-    assert serve and set(serve) == {0}
-    if len(engines) != 2:
-        pytest.xfail(f"{len(engines)} of 2 engine processes found in serve run's session:\n{found}")
-
-
-def _processes_of_the_app(serve_pid: int) -> str:
-    """Every engine and Ray worker process on this machine with its session, parent and nice value: what a failure
-    of the test above needs to be explained."""
-    rows = [f"serve run: pid {serve_pid}"]
-    listed: set[int] = set()
-    processes = list(psutil.process_iter(["pid", "ppid", "name", "nice", "status", "cmdline"]))
-    for p in processes:
-        name = p.info["name"] or ""
-        if name.startswith(("VLLM::", "ray::", "raylet", "gcs_server")):
-            listed.add(p.info["pid"])
-    # And every child of those, whatever its name: one CI run showed a replica's engine logging under a pid that
-    # this listing, filtered by name, left out, so the missing engine runs under some other name.
-    listed |= {p.info["pid"] for p in processes if p.info["ppid"] in listed}
-    for p in processes:
-        if p.info["pid"] in listed:
-            command = " ".join(p.info["cmdline"] or [])[:120]
-            rows.append(f"{p.info['pid']} ppid {p.info['ppid']} sid {_session_of(p.info['pid'])} nice "
-                        f"{p.info['nice']} {p.info['status']} {p.info['name']} | {command}")
-    return "\n".join(rows)
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None
+    reported = replica_processes(served.base, replicas=2)
+    engines = {pid: psutil.Process(pid).nice() for p in reported.values() for pid in p.engine_pids}
+    assert len(engines) >= 2 and set(engines.values()) == {19}, engines
+    # The request path: each replica's own process, the ingress (answering on its own port) and Serve's proxy.
+    ingress, proxy = (listening_pids(port) for port in served.ports)
+    assert ingress and proxy, (served.ports, ingress, proxy)
+    serve = {pid: psutil.Process(pid).nice() for pid in {p.pid for p in reported.values()} | ingress | proxy}
+    assert set(serve.values()) == {0}, serve
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -228,54 +230,28 @@ def session_processes(sid: int) -> dict[int, str]:
     return found
 
 
-def parent_and_comm(pid: int) -> tuple[int, str]:
-    """A process's parent pid and its /proc/PID/comm (raises OSError once it is gone)."""
-    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return ppid, Path(f"/proc/{pid}/comm").read_text().strip()
-
-
-def engine_processes(sid: int) -> list[int]:
-    """vLLM engine-core processes in session `sid`: by the title vLLM gives them (setproctitle writes it to
-    /proc/PID/cmdline and, cut to 15 characters, to /proc/PID/comm; Ray's own tests check both, as the cmdline does
-    not always show it), or, untitled, as a `multiprocessing` spawn child of a Serve replica's Ray worker (the
-    replica starts its engine that way; its resource tracker is a child too but not a spawn)."""
-    found = []
-    for pid, cmd in session_processes(sid).items():
-        try:
-            ppid, comm = parent_and_comm(pid)
-            parent_title = Path(f"/proc/{ppid}/cmdline").read_bytes() + b" " + parent_and_comm(ppid)[1].encode()
-        except OSError:
-            continue
-        # A Ray worker is titled "ray::ServeReplica:..." once it runs a replica; untitled, its command line names
-        # Ray's worker script (the CI failure's listing showed untitled Ray workers beside the untitled engine).
-        spawned_by_replica = "multiprocessing.spawn" in cmd and (b"ServeReplica" in parent_title
-                                                                 or b"default_worker.py" in parent_title)
-        if "VLLM::EngineCore" in cmd or comm.startswith("VLLM::EngineCor") or spawned_by_replica:
-            found.append(pid)
-    return found
-
-
-def describe_processes(sid: int) -> str:
-    """Every process of session `sid`, one line each (pid, parent, comm, command line), for a failure message."""
-    lines = []
-    for pid, cmd in sorted(session_processes(sid).items()):
-        try:
-            ppid, comm = parent_and_comm(pid)
-        except OSError:
-            ppid, comm = "?", "?"
-        lines.append(f"{pid} (parent {ppid}) [{comm}] {cmd[:160]}")
-    return "\n".join(lines)
+def assert_ended(reported: list[psutil.Process], sid: int, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for the `reported` processes and every process of session `sid` to end, then fail with
+    those left. A reported one still running is killed first: an engine left behind would hold its memory and a core
+    for the rest of the suite."""
+    deadline = time.monotonic() + timeout_s
+    while (still_running(reported) or session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    escaped = still_running(reported)
+    for process in escaped:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    assert not escaped, f"reported processes still running {timeout_s:.0f} s later: {escaped}"
+    assert not (left := session_processes(sid)), left
 
 
 def test_nothing_survives_a_sigkill_of_serve_runs_process_group(served):
     """As a harness, `timeout` or a supervisor stops it: SIGKILL to the whole group, so nobody shuts the engines
-    down. Every process `serve run` started (Ray, Serve's replicas, vLLM's engines) is gone 15 s later. Runs last in
-    this module: it ends the app the other tests used."""
+    down. Every process `serve run` started (Ray, Serve's replicas, vLLM's engines: those the replicas reported by
+    pid, and anything left in its session) is gone 15 s later. Runs last in this module: it ends the app the other
+    tests used."""
     proc = served.proc
-    assert engine_processes(proc.pid), describe_processes(proc.pid)
+    reported = running(replica_processes(served.base, replicas=2))
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
-    deadline = time.monotonic() + 15
-    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, left
+    assert_ended(reported, proc.pid, timeout_s=15)

@@ -1,6 +1,6 @@
 """SIGTERM to `serve run` alone (what a supervisor or `kill PID` sends) in each Serve mode the app runs in: the app
-shuts down and no process of its session is left, vLLM's engines included. Runs before the session's own Ray
-cluster starts (see conftest), as `test_serve_run.py` does."""
+shuts down, the replica and engine processes it reported are gone, and no process of its session is left. Runs
+before the session's own Ray cluster starts (see conftest), as `test_serve_run.py` does."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks.common import free_port, free_port_range
 from tests.conftest import REPO_ROOT
-from tests.test_serve_run import describe_processes, engine_processes, session_processes, wait_until_healthy
+from tests.test_serve_run import assert_ended, replica_processes, running, session_processes, wait_until_healthy
 
 CONFIG = """\
 http_options: {{host: 127.0.0.1, port: {port}}}
@@ -43,25 +42,16 @@ def test_sigterm_to_serve_run_leaves_no_process_behind(mode, tmp_path):
         first = free_port_range(4)
         env |= {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 3)}
-    log = tmp_path / "serve_run.log"
+    log, url = tmp_path / "serve_run.log", f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "--address", "local", str(config)],
                                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_until_healthy(proc, log, f"http://127.0.0.1:{port}", replicas=1, timeout_s=600)
-        # Under the whole suite the engine was once not found by its title in /proc/PID/cmdline for 120 s after the
-        # app was healthy (in one CI run; the listing was cut); `engine_processes` also reads /proc/PID/comm and the
-        # process tree. Wait a while for the engine; if it is still missing, the message lists every process.
-        deadline = time.monotonic() + 120
-        while not engine_processes(proc.pid):
-            assert time.monotonic() < deadline, describe_processes(proc.pid)
-            time.sleep(1)
+        wait_until_healthy(proc, log, url, replicas=1, timeout_s=600)
+        reported = running(replica_processes(url, replicas=1))
         proc.send_signal(signal.SIGTERM)  # to serve run alone, not its process group
         proc.wait(90)
-        deadline = time.monotonic() + 10
-        while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, left
+        assert_ended(reported, proc.pid, timeout_s=10)
     finally:
         if proc.poll() is None or session_processes(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
