@@ -16,6 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
@@ -45,7 +46,8 @@ from actors.vllm_engine import (
     start_engine,
 )
 from configs.engine import EngineConfig
-from kvtransfer.connector import LOAD_FAILED, export_params
+from kvtransfer.connector import LOAD_FAILED, export_params, is_load_failure
+from kvtransfer.kv_digest import DIGESTS_KEY
 from kvtransfer.types import Hold
 from model_prep.store import model_path
 
@@ -277,7 +279,15 @@ class EngineReplica:
                     delta.num_cached_tokens = cached
                     hold = Hold.from_params(out.kv_transfer_params)
                     if hold is not None:
+                        if self.config.nixl.verify_pulls:
+                            hold = replace(hold, extra={**hold.extra, DIGESTS_KEY: await self.engine.collective_rpc(
+                                "kvrelay_hold_digests", args=(hold.block_ids,))})
                         delta.hold = hold.sealed(self._hold_key, list(out.prompt_token_ids or ()) + output_ids)
+                    if request.pull is not None and (self.config.nixl.verify_pulls
+                                                     or is_load_failure(delta.finish_reason)):
+                        verdicts = await self.engine.collective_rpc("kvrelay_read_verdict",
+                                                                    args=(request.pull.request_id,))
+                        delta.read_check = next((v for v in verdicts if v and v != "verified"), verdicts[0])
                     delta.ran_alone = alone and first_token_at is not None
                     if delta.ran_alone and completion > 1 and not self.load.started_since(started_as):
                         delta.decode_step_s = (now - first_token_at) / (completion - 1)

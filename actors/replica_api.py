@@ -124,6 +124,9 @@ class GenerateDelta(BaseModel):
     ran_alone: bool = False
     # Seconds per decode step, if the request had the engine to itself from start to finish.
     decode_step_s: float | None = None
+    # For a request that pulled: its connector's verdict on the read, when checked ("verified", "refused: digest",
+    # "refused: lease"; kvtransfer/throttled_nixl.py).
+    read_check: str | None = None
     replica_id: str = ""
 
 

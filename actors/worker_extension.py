@@ -22,3 +22,23 @@ class KVRelayWorkerExtension:
                     }
                 )
         return groups
+
+    def kvrelay_hold_digests(self, block_ids: list[list[int]]) -> list[list[list[int]]]:
+        """CRC32 of each block of a hold this engine exported, per region (kvtransfer/kv_digest.py)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from kvtransfer.kv_digest import held_digests, pack
+
+        return pack(held_digests(get_kv_transfer_group().connector_worker, block_ids))
+
+    def kvrelay_read_verdict(self, hold_request_id: str) -> str | None:
+        """kvrelay's connector's verdict on this engine's read of that hold, once (kvtransfer/throttled_nixl.py)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().read_verdict(hold_request_id)
+
+    def kvrelay_lease_counts(self) -> dict[str, int]:
+        """Reads and notices kvrelay's connector held back as a hold's lease was ending (kvtransfer/hold_lease.py)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().lease_counts()

@@ -58,6 +58,11 @@ class IngressMetrics:
         self.prompt_tokens = Counter("kvrelay_prompt_tokens", "Prompt tokens of finished turns", registry=self.registry)
         self.pull_failures = Counter("kvrelay_pull_failures", "Pulls that failed and were recomputed",
                                      registry=self.registry)
+        self.pulls_verified = Counter("kvrelay_pulls_verified", "Pulls whose every block matched its holder's digest",
+                                      registry=self.registry)
+        self.pulls_refused = Counter("kvrelay_pulls_refused", "Pulls whose KV the reading engine refused (a block "
+                                     "unlike its holder's, or read too close to the hold's lease end) and recomputed",
+                                     registry=self.registry)
         self.ttft = Histogram(
             "kvrelay_ttft_seconds", "Time to first token seen by the ingress", ["mode"], registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
@@ -99,6 +104,8 @@ class IngressMetrics:
         self.prompt_tokens.inc(last.prompt_tokens)
         if outcome.pull_failed:
             self.pull_failures.inc()
+        if outcome.read_check is not None:
+            (self.pulls_verified if outcome.read_check == "verified" else self.pulls_refused).inc()
         if outcome.ttft_ms is not None:
             self.ttft.labels(mode=mode).observe(outcome.ttft_ms / 1e3)
             estimate_ms = outcome.plan.estimate_ms

@@ -122,6 +122,9 @@ class TurnOutcome:
     ttft_ms: float | None = None
     completion_tokens: int = 0
     pull_failed: bool = False
+    # The reading engine's verdict on the pull's KV, where it checked one ("verified", "refused: ..."; vLLM's NIXL
+    # connector as kvrelay extends it: kvtransfer/throttled_nixl.py).
+    read_check: str | None = None
     # How often the turn moved to another replica because the one serving it died (`plan` is the last one's).
     migrations: int = 0
     counters: Counter = field(default_factory=Counter)
@@ -267,7 +270,7 @@ class TurnRunner:
         self.block_size = block_size
         self.hold_ttl_s = hold_ttl_s
         self.max_migrations = max_migrations
-        self.counters: Counter = Counter()
+        self.counters: Counter = Counter(pulls_verified=0, pulls_refused=0)  # shown in stats from the start
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
         self.recent_prompts = RecentPrompts()
@@ -483,6 +486,8 @@ class TurnRunner:
         busy_peers = 0.0  # other engines of its node busy until its first token, each for its share of that time
         if outcome.engine_called_at is None:
             outcome.engine_called_at = time.perf_counter()
+        logger.debug("%s to %s: reads %s", request.request_id, where or "any replica",
+                     request.pull.request_id if request.pull else "no hold")
         stream = self._generate(engines).remote(request)
         try:
             async for delta in stream:
@@ -491,6 +496,9 @@ class TurnRunner:
                 if delta.replica_id and delta.replica_id != where:
                     self.inflight.moved(where, delta.replica_id, request.request_id)
                     where = delta.replica_id
+                if delta.finished and reads_kv and delta.read_check is not None:
+                    outcome.read_check = delta.read_check
+                    self.counters["pulls_verified" if delta.read_check == "verified" else "pulls_refused"] += 1
                 if delta.finished and reads_kv and is_load_failure(delta.finish_reason):
                     # Nothing was streamed: vLLM fails a pull before the first token. Re-run without it.
                     logger.warning("pull for %s from %s failed; recomputing", turn.request_id, plan.holder)
@@ -570,6 +578,7 @@ class TurnRunner:
                 hold = await self.directory.consume_hold(offer.hold_id)
                 if hold is not None:  # None: pulled, expired or released already
                     self.counters["holds_released"] += 1
+                    logger.debug("releasing hold %s of %s through %s", hold.request_id, offer.replica_id, sender)
                     await self.engines.release_hold.remote(HoldRelease(hold=hold, target_replica=sender))
             except Exception as exc:  # the hold then lasts until its lease ends: slower, never wrong
                 logger.warning("could not release hold %s on %s: %s", offer.hold_id, offer.replica_id, exc)
@@ -577,6 +586,7 @@ class TurnRunner:
     def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
         """Record the hold the replica left (if any) in the directory, for the next turn to find."""
         if last.hold is not None:
+            logger.debug("%s left hold %s on %s", turn.request_id, last.hold.request_id, last.replica_id)
             key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
             self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s,
                                        at_actor_after_s=AFTER_RESPONSE_S, prompt_tokens=len(turn.token_ids))

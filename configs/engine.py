@@ -60,6 +60,12 @@ class NixlSettings(BaseModel):
     # none on CPU (a CPU engine has no cores to spare, and those workers' idle connections were seen to set UCX's
     # progress thread spinning; README, Known limits), vLLM's 4 on accelerators (parallel RDMA transfers).
     ucx_threads: int | None = Field(default=None, ge=0, le=64)
+    # A pulled hold is used only if its read finished this long before the holder's lease ends (the holder frees
+    # the blocks after it, read or not); a later read is refused and the turn computed (kvtransfer/hold_lease.py).
+    lease_margin_s: float = Field(default=1.0, ge=0)
+    # Check every pulled block against a CRC32 its holder took at export, and refuse (recompute) a pull whose bytes
+    # differ (kvtransfer/kv_digest.py). Needs the KV cache in host memory. On in the test suite and fault campaign.
+    verify_pulls: bool = False
 
 
 class EngineConfig(BaseModel):

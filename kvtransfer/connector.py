@@ -14,7 +14,11 @@ for `kv_lease_duration` seconds and return a **hold** on its final output:
     remote_num_tokens: int           prompt + generated - 1: the tokens whose KV exists (the last sampled
                                      token has none yet)
     remote_blocks_expiry_time: None  (P-style holds carry no expiry: the holder frees them silently
-                                     after the lease, so the caller must track expiry itself)
+                                     after the lease, read or not)
+    kvrelay_lease_end: float         added by kvrelay's connector: the holder's perf_counter time at which
+                                     the lease ends; readers check it (kvtransfer/hold_lease.py)
+    kvrelay_block_digests            added by the holder's replica with `verify_pulls` on: CRC32 of each
+                                     held block, checked by the reader (kvtransfer/kv_digest.py)
 
 A **pull request** sends that hold to another engine with `do_remote_prefill=False, do_remote_decode=True`:
 the engine reads `min(remote_num_tokens, len(prompt))` tokens' blocks (less its own prefix hit) over NIXL,
@@ -61,6 +65,8 @@ def kv_transfer_config(settings: NixlSettings, engine_id: str, device_type: str)
             "kvrelay_progress_delay_us": settings.progress_delay_us,
             "kvrelay_hold_step_s": settings.hold_step_s,
             "kvrelay_max_held_fraction": settings.max_held_fraction,
+            "kvrelay_lease_margin_s": settings.lease_margin_s,
+            "kvrelay_verify_pulls": settings.verify_pulls,
             # vLLM's NIXL worker reads it as the UCX backend's transfer threads (its default: 4).
             "num_threads": settings.ucx_threads if settings.ucx_threads is not None else
             (0 if device_type == "cpu" else 4),

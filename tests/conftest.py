@@ -182,8 +182,9 @@ TINY_ENGINE = {
     "max_model_len": 2048,
     "kv_cache_memory_bytes": 64 * 1024**2,
     # Long enough that a loaded CI box still pulls a hold within its lease (the directory stops offering
-    # a hold 30% before its end), short enough that pending holds, which keep engines stepping, expire.
-    "nixl": {"hold_ttl_s": 30},
+    # a hold 30% before its end), short enough that pending holds, which keep engines stepping, expire. Every pull
+    # checked against its holder's digests (kvtransfer/kv_digest.py).
+    "nixl": {"hold_ttl_s": 30, "verify_pulls": True},
 }
 
 
