@@ -16,6 +16,20 @@ compared with a recompute of the same history on a live replica. The faults:
 - `pull_at_the_end_of_the_offer`: the pull sent just before the directory stops offering the hold (its lease ends
   `expiry_margin_s` later).
 
+Races around a pull's read (`--races N`, N pulls each, on an app of their own with a 6 s lease, every pull verified
+against its holder's digests; results in their own file):
+
+- `lease_ends_during_pull`: the pull sent at the end of the offer, the reader's processes SIGSTOPped for 1-3.5 s
+  right after, so that its read starts or finishes around the end of the hold's lease;
+- `release_racing_a_read`: a release of the very hold the pull reads, sent through the reader 0-50 ms after the pull
+  (kvrelay never does this: a hold is taken from the directory once; the race is forced from outside);
+- `holder_paused_through_lease`: the holder's processes SIGSTOPped from just after the pull is sent until a second
+  after the lease has ended;
+- `reader_killed_mid_read`: the reader's processes SIGKILLed 20-150 ms after the pull is sent (the turn moves on).
+
+Every answer is compared with a recompute; at the end, with the load stopped and the leases over, every replica's
+KV cache must be empty again (no hold leaked).
+
 A turn has failed if the client got no answer after its retries (HTTP: for 90 s; the background clients of the Python
 handle API: twice, as OpenAI's SDK retries); recovery is the time from
 the fault until both replicas (and for the ingress fault, HTTP) answer again. Leaked processes are vLLM engine
@@ -48,6 +62,8 @@ GREEDY = Sampling(max_tokens=48, temperature=0.0, ignore_eos=True)
 LONG_STREAM = 300  # tokens of the turn whose replica is killed mid-stream
 FAULTS = ("holder_killed_between_turns", "serving_replica_killed_mid_stream", "directory_killed", "ingress_killed",
           "holder_stopped_during_pull", "pull_at_the_end_of_the_offer")
+RACES = ("lease_ends_during_pull", "release_racing_a_read", "holder_paused_through_lease", "reader_killed_mid_read")
+RACE_TTL_S = 6.0
 
 
 def engine_processes() -> set[int]:
@@ -88,10 +104,22 @@ def kill(processes: list[psutil.Process]) -> None:
     psutil.wait_procs(processes, timeout=30)
 
 
+def signal_all(processes: list[psutil.Process], sig: int) -> None:
+    for proc in processes:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
 class Campaign:
-    def __init__(self, app: BenchApp, reps: int) -> None:
+    def __init__(self, app: BenchApp, reps: int, faults: tuple[str, ...] = FAULTS, hold_ttl_s: float = HOLD_TTL_S,
+                 kill_reps: int | None = None) -> None:
         self.app = app
         self.reps = reps
+        self.faults = faults
+        self.hold_ttl_s = hold_ttl_s
+        self.kill_reps = reps if kill_reps is None else kill_reps
         self.rng = random.Random(7)
         self.url = app.base_url  # Serve's proxy: it stays up while an ingress replica restarts
 
@@ -189,9 +217,10 @@ class Campaign:
             finally:
                 resume.join()
         elif fault == "pull_at_the_end_of_the_offer":
-            margin = min(10.0, 0.3 * HOLD_TTL_S)  # the directory's expiry margin (app/builder.py)
-            time.sleep(max(0.0, HOLD_TTL_S - margin - 0.5 - (time.monotonic() - struck)))
+            time.sleep(max(0.0, self.offer_s() - 0.5 - (time.monotonic() - struck)))
             answer = self.turn(history, ("pull", other)).token_ids
+        elif fault in RACES:
+            answer = self.race(fault, history, holder, other, struck, killed)
         else:
             raise ValueError(fault)
         self.live(2, without=killed[0] if killed else None)
@@ -201,6 +230,73 @@ class Campaign:
         reference = self.reference(history, tokens)
         return {"fault": fault, "failed": answer is None, "wrong": answer is not None and answer != reference,
                 "recovery_s": round(recovery_s, 1)}
+
+    def offer_s(self) -> float:
+        """How long after its turn a hold is offered: its lease less the directory's margin (app/builder.py)."""
+        return self.hold_ttl_s - min(10.0, 0.3 * self.hold_ttl_s)
+
+    def race(self, fault: str, history: list[int], holder: str, other: str, struck: float,
+             killed: list[str]) -> list[int] | None:
+        """A pull of the holder's hold to `other`, with `fault` striking around its read; the answer's tokens."""
+        from ray import serve
+
+        from actors.prefix_hash import Scope
+        from actors.replica_api import HoldRelease
+
+        pull: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                pull["answer"] = self.turn(history, ("pull", other)).token_ids
+            except Exception as exc:  # a turn the ingress could not answer: counted as failed
+                pull["error"] = repr(exc)
+
+        sender = threading.Thread(target=send)
+        if fault == "lease_ends_during_pull":
+            time.sleep(max(0.0, self.offer_s() - 0.6 - (time.monotonic() - struck)))
+            reader = replica_tree(self.app, other)
+            sender.start()
+            time.sleep(0.02)
+            signal_all(reader, signal.SIGSTOP)
+            time.sleep(self.rng.uniform(1.0, 3.5))
+            signal_all(reader, signal.SIGCONT)
+        elif fault == "release_racing_a_read":
+            directory = serve.get_deployment_handle("kv_directory", app_name="bench")
+            found = directory.lookup.remote(history, Scope(self.app.model, "")).result(timeout_s=30)
+            offer = next(m.hold for m in found.matches if m.hold is not None and m.replica_id == holder)
+            sender.start()
+            time.sleep(self.rng.uniform(0.0, 0.05))
+            self.app.engines.release_hold.remote(HoldRelease(hold=offer.hold, target_replica=other)).result(
+                timeout_s=60)
+        elif fault == "holder_paused_through_lease":
+            paused = replica_tree(self.app, holder)
+            sender.start()
+            time.sleep(0.02)
+            signal_all(paused, signal.SIGSTOP)
+            time.sleep(max(0.0, self.hold_ttl_s + 1.0 - (time.monotonic() - struck)))
+            signal_all(paused, signal.SIGCONT)
+        elif fault == "reader_killed_mid_read":
+            reader = replica_tree(self.app, other)
+            sender.start()
+            time.sleep(self.rng.uniform(0.02, 0.15))
+            killed.append(other)
+            kill(reader)
+        sender.join()
+        return pull.get("answer")
+
+    def reps_of(self, fault: str) -> int:
+        return self.kill_reps if fault == "reader_killed_mid_read" else self.reps
+
+    def idle_kv_usage(self) -> dict[str, float]:
+        """Each replica's KV cache usage once every lease has ended with no load: anything left is a leaked hold."""
+        time.sleep(self.hold_ttl_s + 3.0)
+        deadline = time.monotonic() + 30
+        while True:
+            replicas = self.app.ingress.stats.remote().result()["replicas"]
+            usage = {r["replica_id"]: r["kv_cache_usage"] for r in replicas}
+            if not any(usage.values()) or time.monotonic() > deadline:
+                return usage
+            time.sleep(1.0)
 
     def run(self) -> dict[str, Any]:
         stop = threading.Event()
@@ -229,38 +325,56 @@ class Campaign:
         for t in threads:
             t.start()
         rows = []
+        counters: dict[str, dict[str, int]] = {}
         try:
-            for rep in range(self.reps):
-                for fault in FAULTS:
+            for rep in range(max(self.reps_of(f) for f in self.faults)):
+                for fault in self.faults:
+                    if rep >= self.reps_of(fault):
+                        continue
+                    before = self.app.ingress.stats.remote().result()["counters"]
                     rows.append({"rep": rep, **self.play(fault)})
+                    after = self.app.ingress.stats.remote().result()["counters"]
+                    mine = counters.setdefault(fault, Counter())
+                    for name in ("pulls_verified", "pulls_refused", "pull_failures", "plans_pull"):
+                        mine[name] += after.get(name, 0) - before.get(name, 0)
                     print(json.dumps(rows[-1]), flush=True)
         finally:
             stop.set()
             for t in threads:
                 t.join(timeout=120)
         summary = {}
-        for fault in FAULTS:
+        for fault in self.faults:
             mine = [r for r in rows if r["fault"] == fault]
             summary[fault] = {"runs": len(mine), "failed_turns": sum(r["failed"] for r in mine),
                               "wrong_turns": sum(r["wrong"] for r in mine),
-                              "recovery_s_max": max(r["recovery_s"] for r in mine)}
+                              "recovery_s_max": max(r["recovery_s"] for r in mine), **counters.get(fault, {})}
+        usage = self.idle_kv_usage()
         return {"faults": summary, "runs": rows, "background_turns": background["turns"],
                 "background_failed_turns": background["failed"], "background_retries": background["retried"],
                 "failed_turns": sum(r["failed"] for r in rows) + background["failed"],
-                "wrong_turns": sum(r["wrong"] for r in rows)}
+                "wrong_turns": sum(r["wrong"] for r in rows),
+                "kv_cache_usage_after": usage, "leaked_holds": any(usage.values())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--races", type=int, help="instead of the faults: this many pulls of each race around a read")
+    parser.add_argument("--kill-reps", type=int, default=10,
+                        help="of those, how many kill the reader (each waits for Serve to replace it)")
     args = parser.parse_args()
     before = engine_processes()
+    ttl = HOLD_TTL_S if args.races is None else RACE_TTL_S
     app = start_app(MODEL, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=64 * 1024**2,
-                    nixl={"hold_ttl_s": HOLD_TTL_S})
+                    nixl={"hold_ttl_s": ttl, "verify_pulls": True})
     try:
         app.ingress.calibrated.remote().result(timeout_s=300)
-        figures = Campaign(app, args.reps).run()
+        if args.races is None:
+            campaign = Campaign(app, args.reps)
+        else:
+            campaign = Campaign(app, args.races, RACES, ttl, kill_reps=min(args.kill_reps, args.races))
+        figures = campaign.run()
     finally:
         stop_app(app)
     time.sleep(15)
