@@ -145,14 +145,23 @@ class ServedApp:
         self.engines = serve.get_deployment_handle("engines", app_name=name)
 
     def replica_ids(self, count: int, timeout_s: float = 120) -> list[str]:
-        """Ids of the live engine replicas, once `count` of them have reported to the directory."""
+        """Ids of the live engine replicas, once at least `count` of them have reported to the directory; fails
+        with what the ingress and Serve saw when they have not within `timeout_s`."""
         import time
+
+        from ray import serve
 
         deadline = time.monotonic() + timeout_s
         while True:
             ids = sorted(r["replica_id"] for r in self.ingress.stats.remote().result()["replicas"])
-            if len(ids) >= count or time.monotonic() > deadline:
+            if len(ids) >= count:
                 return ids
+            if time.monotonic() > deadline:
+                engines = serve.status().applications[self.name].deployments["engines"]
+                raise AssertionError(
+                    f"app {self.name!r}: {len(ids)} engine replicas reported to the directory after {timeout_s:.0f} s, "
+                    f"expected {count}: {ids}; Serve's engine replicas by state: {dict(engines.replica_states)} "
+                    f"({engines.status}: {engines.message or 'no message'})")
             time.sleep(0.5)
 
 

@@ -1,19 +1,21 @@
-"""Autoscaling engine replicas on queue depth, KV cache usage and TTFT: down under a light multi-turn load with
-holds on the leaving replica, up on TTFT alone, no failed turn."""
+"""Autoscaling engine replicas on queue depth, KV cache usage and TTFT: the policy's arithmetic, and a pool that grows
+to two under load and shrinks back to one while conversations go on, each phase waited on in Serve's own replica
+states, every turn during the shrink equal token for token to a recompute, and the leaving replica's KV gone from the
+directory."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import random
+import threading
 import time
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
-import httpx
 import pytest
 
 from app.autoscaling import EngineAutoscalingPolicy
-from tests.conftest import TINY_ENGINE, run_app
+from tests.conftest import TINY_ENGINE, ServedApp, run_app
 
 
 def tick(current: int, queued: float = 0.0, **metrics: dict[str, float]) -> SimpleNamespace:
@@ -47,170 +49,244 @@ def test_impossible_autoscaling_config_is_refused_before_anything_starts():
         AppConfig.model_validate({"pool": {"num_replicas": 5, "autoscaling": {"max_replicas": 2}}})
 
 
-# The pool starts at one replica and may grow to two. The targets leave the TTFT signal alone to decide:
-# ongoing requests stay far below theirs (Serve's default policy, which counts only those, would never grow the
-# pool here) and the KV cache can never exceed a usage of 1. A short multi-turn turn on this machine starts in
-# tens of milliseconds (well under half the target), a long uncached prompt queued behind five others in a second.
-TTFT_TARGET_MS = 300
-MAX_TOKENS = 16
+# The policy sizes the pool at ceil(current * the worst observed/target ratio) (app/autoscaling.py). These targets
+# leave the ongoing-requests signal alone to decide and make each phase's decision certain, whatever the machine's
+# speed: TTFT cannot reach its target (ten minutes), and KV cache usage cannot hold two replicas (that takes a mean
+# usage above 0.5 at a target of 1; holds pin at most half a cache, nixl.max_held_fraction, and the shrinking pool's
+# conversations hold a few dozen blocks).
+#   up:   LOAD_CLIENTS turns always in flight on the one replica: ceil(6 / 2) = 3 replicas, capped at 2;
+#   down: one turn at a time on two replicas: ceil(1 / 2) = 1.
+SCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "target_kv_cache_usage": 1.0,
+           "target_ttft_ms": 600_000, "upscale_delay_s": 1, "downscale_delay_s": 10, "metrics_interval_s": 0.5,
+           "look_back_period_s": 3}
+LOAD_CLIENTS = 6
+# Serve's wait for a leaving replica's requests and its __del__ (deregister, stop the engine): app/builder.py.
+GRACEFUL_SHUTDOWN_S = 30
+GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+CHAT_TURNS = 8  # a conversation starts over after this many turns, so histories stay far below max_model_len
+
+
+@dataclass
+class ScalingApp:
+    app: ServedApp
+    start_s: float  # how long the app took to start with its first engine replica, on this machine, now
 
 
 @pytest.fixture(scope="module")
-def scaling_app(serve_port):
+def scaling(serve_port):
     from ray import serve
 
-    app = run_app(
-        "scaling", "/scaling", serve_port,
-        pool={"num_replicas": 1, "engine": dict(TINY_ENGINE, model="tiny-llama"), "autoscaling": {
-            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8, "target_kv_cache_usage": 1.0,
-            "target_ttft_ms": TTFT_TARGET_MS, "upscale_delay_s": 1, "downscale_delay_s": 10,
-            "metrics_interval_s": 0.5, "look_back_period_s": 3,
-        }},
-    )
+    started = time.monotonic()
+    app = run_app("scaling", "/scaling", serve_port,
+                  pool={"num_replicas": 1, "engine": dict(TINY_ENGINE, model="tiny-llama"), "autoscaling": SCALING})
     app.replica_ids(1)
-    yield app
+    start_s = time.monotonic() - started
+    # The start-up calibration's turns would add to the load of whichever phase they fell in.
+    app.ingress.calibrated.remote().result(timeout_s=300)
+    yield ScalingApp(app, start_s)
     serve.delete("scaling")
 
 
-def directory_view(app) -> dict:
-    """The ingress's stats: live replicas (by heartbeat) and the directory's figures."""
-    stats = app.ingress.stats.remote().result()
-    return {"replicas": sorted(r["replica_id"] for r in stats["replicas"]), "directory": stats["directory"]}
-
-
-async def drive(app, clients, until, timeout_s: float) -> tuple[int, list[str], list[dict]]:
-    """Run the `clients` coroutines (each given an HTTP client and a stop event) until `until(view)` holds for
-    the ingress's view, polled twice a second (`until` runs in a thread: it may block); returns (turns answered,
-    failures, the views polled)."""
-    done, failures, views = 0, [], []
-    stop = asyncio.Event()
-
-    async def post(http: httpx.AsyncClient, path: str, body: dict, headers: dict | None = None) -> dict | None:
-        nonlocal done
-        try:
-            resp = await http.post(f"{app.base_url}{path}", headers=headers,
-                                   json=dict(body, model="tiny-llama", temperature=0, max_tokens=MAX_TOKENS,
-                                             ignore_eos=True))
-        except httpx.HTTPError as exc:
-            failures.append(f"{path}: {exc!r}")
-            return None
-        reply = resp.json() if resp.status_code == 200 else None
-        if reply is None or reply["usage"]["completion_tokens"] != MAX_TOKENS:
-            failures.append(f"{path}: {resp.status_code}: {resp.text[:300]}")
-            return None
-        done += 1
-        return reply
-
-    async def watch() -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            views.append(await asyncio.to_thread(directory_view, app))
-            if await asyncio.to_thread(until, views[-1]):
-                break
-            await asyncio.sleep(0.5)
-        stop.set()
-
-    async with httpx.AsyncClient(timeout=120) as http:
-        await asyncio.gather(watch(), *(client(functools.partial(post, http), stop) for client in clients))
-    return done, failures, views
-
-
-def serve_view(app_name: str = "scaling") -> dict:
-    """Serve's own state of the app's engine deployment: its replicas by state, and the app's status."""
+def engine_states(app_name: str = "scaling") -> dict[str, int]:
+    """Serve's own count of the app's engine replicas by state (STARTING, RUNNING, STOPPING, ...)."""
     from ray import serve
 
-    app = serve.status().applications[app_name]
-    return {"app": str(app.status), "engines": dict(app.deployments["engines"].replica_states)}
+    states = serve.status().applications[app_name].deployments["engines"].replica_states
+    return {getattr(state, "value", str(state)): n for state, n in states.items() if n}
 
 
-def serves_new_replica(app, view: dict, before: list[str]) -> bool:
-    """Whether the pool has grown to two in the directory and Serve routes a call to the replica not in `before`
-    (under load its power-of-two router prefers the idle new replica; a few tries whatever the load)."""
-    if len(view["replicas"]) != 2:
-        return False
-    (grown,) = set(view["replicas"]) - set(before)
-    return any(app.engines.identity.remote().result().replica_id == grown for _ in range(4))
+def wait_for_states(until, deadline_s: float, why: str) -> dict[str, int]:
+    """Poll `engine_states()` until `until(states)` holds; fail with every distinct state seen after `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    seen: list[dict[str, int]] = []
+    while True:
+        states = engine_states()
+        if not seen or seen[-1] != states:
+            seen.append(states)
+        if until(states):
+            return states
+        assert time.monotonic() < deadline, f"{why}: not within {deadline_s:.0f} s; Serve's engine replicas went {seen}"
+        time.sleep(0.25)
 
 
-def conversation(worker: int, think_s: float, session: str):
-    """A client holding multi-turn chats: each turn resends the history and the reply, plus a short question,
-    `think_s` after the previous answer (a person reading it). `session` is its X-Session-Id (a placement hint)."""
+def directory_handle(app_name: str = "scaling") -> Any:
+    from ray import serve
 
-    async def run(post, stop: asyncio.Event) -> None:
-        chat = 0
-        while not stop.is_set():
-            chat += 1
-            messages = [{"role": "user", "content": f"client {worker} chat {chat}: " + "once upon a time " * 40}]
-            for turn in range(8):
-                if stop.is_set():
-                    return
-                reply = await post("/v1/chat/completions", {"messages": messages}, {"X-Session-Id": session})
-                if reply is None:
-                    return
-                messages += [reply["choices"][0]["message"],
-                             {"role": "user", "content": f"turn {turn}: and what happened next?"}]
-                await asyncio.sleep(think_s)
-
-    return run
+    return serve.get_deployment_handle("kv_directory", app_name=app_name)
 
 
-def long_prompts(worker: int):
-    """A client sending long prompts no cache has seen (1,800 random token ids each), one after another."""
+def holders(directory: Any, tokens: list[int]) -> set[str]:
+    """The replicas the KV directory lists as holding a prefix of `tokens` (the turns' scope: tiny-llama, no tenant)."""
+    from actors.prefix_hash import Scope
 
-    async def run(post, stop: asyncio.Event) -> None:
+    return {m.replica_id for m in directory.lookup.remote(tokens, Scope("tiny-llama", "")).result().matches}
+
+
+def ingress_sees_only(app: ServedApp, replica: str, timeout_s: float) -> None:
+    """Wait until the ingress's planner lists `replica` alone; fail with what it lists after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (ids := sorted(r["replica_id"] for r in app.ingress.stats.remote().result()["replicas"])) != [replica]:
+        assert time.monotonic() < deadline, f"the ingress still plans onto {ids} {timeout_s:.0f} s after the shrink"
+        time.sleep(0.25)
+
+
+class Load:
+    """LOAD_CLIENTS threads, each sending a turn of fresh tokens as soon as its previous one is answered."""
+
+    def __init__(self, app: ServedApp) -> None:
+        self.app, self.stop, self.failures, self.answered = app, threading.Event(), [], 0
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(LOAD_CLIENTS)]
+
+    def _client(self, worker: int) -> None:
         rng = random.Random(worker)
-        while not stop.is_set():
-            if await post("/v1/completions", {"prompt": [rng.randrange(100, 1000) for _ in range(1800)]}) is None:
+        sampling = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+        while not self.stop.is_set():
+            prompt = [rng.randrange(100, 1000) for _ in range(64)]
+            try:
+                self.app.ingress.turn.remote(prompt, sampling).result(timeout_s=300)
+                self.answered += 1
+            except Exception as exc:  # kept for the assertion: a turn under load must not fail
+                self.failures.append(repr(exc)[:300])
                 return
 
-    return run
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(300)
 
 
-def test_scale_up_on_ttft_alone_and_down_under_multi_turn_load(scaling_app):
-    """Up: six clients of long prompts on one replica, far below the ongoing-requests target, grow it by TTFT.
-    Down: four conversations keep holds on both replicas while the pool shrinks; the leaving replica leaves the
-    directory itself (no heartbeat sweep needed) and every turn is answered, those planned onto it re-routed."""
-    assert len(directory_view(scaling_app)["replicas"]) == 1
-    first = directory_view(scaling_app)["replicas"]
-    # The load goes on until Serve routes to the new replica, not just until it reports to the directory (which it
-    # does from its constructor, before Serve marks it running): stopped earlier, the pool could shrink again before
-    # any conversation reached the new replica. (A CI box once took over 120 s to route to it: the old replica's cache
-    # was full of the long prompts' holds, so no replica had room; holds now pin at most half a cache.)
-    routed: list[bool] = []
+@dataclass
+class Conversation:
+    """One multi-turn chat in token ids: each turn is the history so far, the reply, then 20 new user tokens."""
 
-    def grown_and_routed(view: dict) -> bool:
-        routed.append(serves_new_replica(scaling_app, view, first))
-        return routed[-1]
+    rng: random.Random
+    history: list[int] = field(default_factory=list)
+    turns: int = 0
 
-    done, failures, views = asyncio.run(drive(
-        scaling_app, [long_prompts(i) for i in range(6)], grown_and_routed, timeout_s=420))
-    assert not failures, failures[:3]
-    assert len(views[-1]["replicas"]) == 2, "six long prompts at a time on one replica did not scale up on TTFT"
-    assert routed[-1], f"Serve never routed to the new replica: {serve_view()}"
-    start = views[-1]
+    def next_prompt(self) -> list[int]:
+        if self.turns % CHAT_TURNS == 0:
+            self.history = [self.rng.randrange(40, 1000) for _ in range(150)]  # a new chat
+        return self.history
 
-    # Light load: four people reading each answer for a second. Back to back, four conversations on two replicas
-    # kept a slow CI box's first tokens above half the target (150 ms), and the pool never shrank. Two sessions
-    # prefer each replica: on idle replicas the hint decides a new conversation's place, so whichever replica
-    # leaves holds conversations (without hints all four once went to the one that stayed).
-    from kvtransfer.load import preferred_replica
+    def answered(self, reply: list[int]) -> None:
+        self.turns += 1
+        self.history = self.history + reply + [self.rng.randrange(40, 1000) for _ in range(20)]
 
-    sessions: dict[str, list[str]] = {}
-    for name in (f"reader-{i}" for i in range(200)):
-        sessions.setdefault(preferred_replica(name, start["replicas"]), []).append(name)
-    readers = [name for names in sessions.values() for name in names[:2]]
-    assert len(readers) == 4, sessions
-    done, failures, views = asyncio.run(drive(
-        scaling_app, [conversation(i, think_s=1.0, session=name) for i, name in enumerate(readers)],
-        lambda view: len(view["replicas"]) == 1, timeout_s=300))
-    assert not failures, failures[:3]
-    assert len(views[-1]["replicas"]) == 1, "a lightly loaded pool of two did not scale down"
-    (left,) = set(start["replicas"]) - set(views[-1]["replicas"])
-    # Serve drains a leaving replica before it stops (tens of seconds here): no turn reaches it meanwhile, and its
-    # holds may expire before it deregisters. It held some while the pool shrank.
-    while_live = [view["directory"]["holds_by_replica"].get(left, 0) for view in views if left in view["replicas"]]
-    assert max(while_live) > 0, f"the leaving replica held nothing: {while_live}"
-    after = views[-1]["directory"]
-    assert after["replicas_left"] >= 1 and after["replicas_silent"] == 0, after
-    assert left not in after["holds_by_replica"]
-    assert done >= 10
+
+@dataclass
+class Answered:
+    conversation: int
+    prompt: list[int]
+    token_ids: list[int]
+    mode: str
+    replica: str
+    holder: str | None
+    reused_tokens: int
+    states: dict[str, int]  # Serve's engine replicas by state just before the turn
+
+
+def take_turn(app: ServedApp, chats: list[Conversation], index: int, force: tuple[str, str] | None = None,
+              states: dict[str, int] | None = None) -> Answered:
+    prompt = chats[index].next_prompt()
+    result = app.ingress.turn.remote(prompt, GREEDY, force).result(timeout_s=300)
+    assert len(result.token_ids) == GREEDY["max_tokens"], result
+    chats[index].answered(result.token_ids)
+    info = result.kvrelay
+    return Answered(index, prompt, result.token_ids, info.mode, info.replica, info.holder, info.reused_tokens,
+                    states or {})
+
+
+def test_pool_grows_under_load_and_shrinks_while_conversations_stay_correct(scaling):
+    """Up: six turns always in flight on one replica make Serve start a second (RUNNING == 2). Down: conversations
+    placed on both replicas go on one turn at a time while Serve stops one (RUNNING == 1, none STOPPING): no turn
+    fails, every turn equals a recompute token for token, the leaving replica deregistered itself from the KV directory
+    (its holds and cache entries gone, no heartbeat sweep needed), and conversations on the replica that stays keep
+    their KV there."""
+    app, config = scaling.app, SCALING
+    assert engine_states() == {"RUNNING": 1}
+    [first] = app.replica_ids(1)
+    # Deadlines: Serve's configured reaction (a look-back window of metrics, the delay, a controller tick) plus the
+    # replica start time measured above, three times over for the start beside six streams decoding on this machine.
+    react_s = config["look_back_period_s"] + 2 * config["metrics_interval_s"]
+    up_deadline_s = react_s + config["upscale_delay_s"] + 3 * scaling.start_s
+    down_deadline_s = react_s + config["downscale_delay_s"] + GRACEFUL_SHUTDOWN_S + scaling.start_s
+
+    up_started = time.monotonic()
+    with Load(app) as load:
+        wait_for_states(lambda states: states.get("RUNNING", 0) == 2 or bool(load.failures), up_deadline_s,
+                        f"{LOAD_CLIENTS} turns in flight on one replica did not scale the pool up to 2")
+    up_s = time.monotonic() - up_started
+    assert not load.failures, load.failures[:3]
+    assert load.answered > 0
+    replicas = app.replica_ids(2, timeout_s=react_s)
+    assert first in replicas and len(replicas) == 2, replicas
+
+    # One turn at a time from here on: the policy now wants one replica, and Serve stops one after the downscale delay.
+    # Two conversations start on each replica (forced there, before the delay can end), so whichever leaves holds
+    # KV of conversations that go on.
+    chats = [Conversation(random.Random(seed)) for seed in range(4)]
+    placed = [take_turn(app, chats, i, ("recompute", replicas[i % 2])) for i in range(len(chats))]
+    assert [a.replica for a in placed] == [replicas[i % 2] for i in range(len(chats))], placed
+    answered = list(placed)
+    down_started = time.monotonic()
+    deadline = down_started + down_deadline_s
+    seen: list[dict[str, int]] = []
+    while True:
+        states = engine_states()
+        if not seen or seen[-1] != states:
+            seen.append(states)
+        if states == {"RUNNING": 1}:  # none starting, stopping or anything else
+            break
+        assert time.monotonic() < deadline, (
+            f"the pool of two did not shrink to one within {down_deadline_s:.0f} s under one turn at a time; "
+            f"Serve's engine replicas went {seen}")
+        answered += [take_turn(app, chats, i, states=states) for i in range(len(chats))]
+    down_s = time.monotonic() - down_started
+
+    # The replica that left deregistered from the directory in its __del__, before Serve reported it gone: the
+    # directory lists only the survivor, holds none for the leaver, and counts the departure as a leave, not as
+    # a replica that went silent.
+    directory = directory_handle()
+    live = [identity.replica_id for identity in directory.replica_identities.remote().result()]
+    assert len(live) == 1 and live[0] in replicas, live
+    (survivor,) = live
+    (left,) = set(replicas) - {survivor}
+    figures = directory.stats.remote().result()
+    assert figures.replicas == 1 and left not in figures.holds_by_replica, figures
+    assert figures.replicas_left >= 1 and figures.replicas_silent == 0, figures
+    directory.check_integrity.remote().result()
+    listed = [holders(directory, a.prompt + a.token_ids) for a in answered]
+    assert not any(left in h for h in listed), f"KV of {sum(left in h for h in listed)} turns still listed on {left}"
+    assert any(survivor in h for a, h in zip(answered, listed, strict=True) if a.replica == survivor), (
+        f"the directory lists none of the survivor's turns either: {listed[:4]}")
+    assert any(a.replica == left for a in answered), f"no conversation ran on {left} before it left"
+    # The ingress plans from its mirror of the directory, a change feed behind it (a 2 s long poll).
+    ingress_sees_only(app, survivor, timeout_s=10)
+
+    # After the shrink every conversation goes on, on the survivor. Those whose last turn ran there kept their KV
+    # (the turn reuses it); those whose last turn ran on the leaver are served from what the survivor holds, if
+    # anything, never planned onto the leaver or pulled from it.
+    last_replica = {a.conversation: a.replica for a in answered}
+    after = [take_turn(app, chats, i, states=engine_states()) for i in range(len(chats))]
+    for turn in after:
+        assert turn.replica == survivor and turn.holder in (None, survivor), turn
+        if last_replica[turn.conversation] == survivor and chats[turn.conversation].turns % CHAT_TURNS != 1:
+            assert turn.mode == "local" and turn.reused_tokens > 0, turn
+    answered += after
+
+    # Every turn since the pool stopped growing, against a recompute of its prompt on the survivor.
+    wrong = []
+    for turn in answered:
+        reference = app.ingress.turn.remote(turn.prompt, GREEDY, ("recompute", survivor)).result(timeout_s=300)
+        if reference.token_ids != turn.token_ids:
+            wrong.append((turn, reference.token_ids))
+    assert not wrong, f"{len(wrong)} of {len(answered)} turns differ from a recompute, first: {wrong[0]}"
+    print(f"start {scaling.start_s:.1f} s, up {up_s:.1f} s (deadline {up_deadline_s:.0f}), down {down_s:.1f} s "
+          f"(deadline {down_deadline_s:.0f}), {load.answered} load turns, {len(answered)} conversation turns checked "
+          f"({sum(a.replica == left for a in answered)} on the replica that left), after the shrink "
+          f"{[(a.mode, a.reused_tokens) for a in after]}, states seen {seen}")
