@@ -120,6 +120,8 @@ class Campaign:
         self.faults = faults
         self.hold_ttl_s = hold_ttl_s
         self.kill_reps = reps if kill_reps is None else kill_reps
+        self.setup_retries = 0  # conversations a race set up again because their first turn left no hold
+        self.last_error: str | None = None
         self.rng = random.Random(7)
         self.url = app.base_url  # Serve's proxy: it stays up while an ingress replica restarts
 
@@ -178,10 +180,16 @@ class Campaign:
     # ------------------------------------------------------------------------------ one fault
 
     def play(self, fault: str) -> dict[str, Any]:
-        history = self.tokens(300)
-        first = self.turn(history)
-        holder = first.kvrelay.replica
-        history = history + first.token_ids + self.tokens(24)
+        for _ in range(5):
+            history = self.tokens(300)
+            first = self.turn(history)
+            holder = first.kvrelay.replica
+            history = history + first.token_ids + self.tokens(24)
+            # A race needs the pull it races: the first turn must have left a hold (a replica whose pending holds
+            # pin their share of its cache leaves none; the turn then tries another conversation).
+            if fault not in RACES or self.hold_of(history, holder) is not None:
+                break
+            self.setup_retries += 1
         other = next(r for r in self.live() if r != holder)
         struck = time.monotonic()
         tokens = GREEDY.max_tokens
@@ -228,8 +236,21 @@ class Campaign:
             self.http_turn(self.tokens(8), 1)
         recovery_s = time.monotonic() - struck
         reference = self.reference(history, tokens)
-        return {"fault": fault, "failed": answer is None, "wrong": answer is not None and answer != reference,
-                "recovery_s": round(recovery_s, 1)}
+        row = {"fault": fault, "failed": answer is None, "wrong": answer is not None and answer != reference,
+               "recovery_s": round(recovery_s, 1)}
+        if self.last_error is not None:
+            row["error"], self.last_error = self.last_error, None
+        return row
+
+    def hold_of(self, history: list[int], holder: str) -> Any:
+        """The hold `holder` offers for `history`, as the KV directory has it (None if it offers none)."""
+        from ray import serve
+
+        from actors.prefix_hash import Scope
+
+        directory = serve.get_deployment_handle("kv_directory", app_name="bench")
+        found = directory.lookup.remote(history, Scope(self.app.model, "")).result(timeout_s=30)
+        return next((m.hold.hold for m in found.matches if m.hold is not None and m.replica_id == holder), None)
 
     def offer_s(self) -> float:
         """How long after its turn a hold is offered: its lease less the directory's margin (app/builder.py)."""
@@ -238,9 +259,6 @@ class Campaign:
     def race(self, fault: str, history: list[int], holder: str, other: str, struck: float,
              killed: list[str]) -> list[int] | None:
         """A pull of the holder's hold to `other`, with `fault` striking around its read; the answer's tokens."""
-        from ray import serve
-
-        from actors.prefix_hash import Scope
         from actors.replica_api import HoldRelease
 
         pull: dict[str, Any] = {}
@@ -261,13 +279,10 @@ class Campaign:
             time.sleep(self.rng.uniform(1.0, 3.5))
             signal_all(reader, signal.SIGCONT)
         elif fault == "release_racing_a_read":
-            directory = serve.get_deployment_handle("kv_directory", app_name="bench")
-            found = directory.lookup.remote(history, Scope(self.app.model, "")).result(timeout_s=30)
-            offer = next(m.hold for m in found.matches if m.hold is not None and m.replica_id == holder)
+            hold = self.hold_of(history, holder)
             sender.start()
             time.sleep(self.rng.uniform(0.0, 0.05))
-            self.app.engines.release_hold.remote(HoldRelease(hold=offer.hold, target_replica=other)).result(
-                timeout_s=60)
+            self.app.engines.release_hold.remote(HoldRelease(hold=hold, target_replica=other)).result(timeout_s=60)
         elif fault == "holder_paused_through_lease":
             paused = replica_tree(self.app, holder)
             sender.start()
@@ -282,6 +297,7 @@ class Campaign:
             killed.append(other)
             kill(reader)
         sender.join()
+        self.last_error = pull.get("error")
         return pull.get("answer")
 
     def reps_of(self, fault: str) -> int:
@@ -349,7 +365,8 @@ class Campaign:
                               "wrong_turns": sum(r["wrong"] for r in mine),
                               "recovery_s_max": max(r["recovery_s"] for r in mine), **counters.get(fault, {})}
         usage = self.idle_kv_usage()
-        return {"faults": summary, "runs": rows, "background_turns": background["turns"],
+        return {"faults": summary, "runs": rows, "setup_retries": self.setup_retries,
+                "background_turns": background["turns"],
                 "background_failed_turns": background["failed"], "background_retries": background["retried"],
                 "failed_turns": sum(r["failed"] for r in rows) + background["failed"],
                 "wrong_turns": sum(r["wrong"] for r in rows),
