@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +26,8 @@ from typing import Any, NamedTuple
 import httpx
 import psutil
 
-from benchmarks.common import REPO_ROOT, RESULTS_DIR, free_port, free_port_range, write_result
+from benchmarks.common import RESULTS_DIR, write_result
+from benchmarks.served import REPLICAS, healthy, ready, start_served, stop_served, wait_for
 
 WINDOW_S = 10.0
 # The target: kvrelay's own processes together, in every window from this long after ready or the last answer.
@@ -38,69 +36,6 @@ TARGET_AFTER_S = 30.0
 # Threads listed per window: those that used at least this share of a core.
 THREAD_FLOOR_CORES = 0.001
 APP = "kvrelay"
-REPLICAS = 2  # serve_config.yaml's pool
-
-
-def make_serve_env() -> dict[str, str]:
-    """The variables `make serve` sets for `serve run` (SERVE_ENV in the Makefile)."""
-    line = (REPO_ROOT / "Makefile").read_text().split("SERVE_ENV :=", 1)[1].split("\n\n", 1)[0]
-    return dict(item.split("=", 1) for item in line.replace("\\", " ").split())
-
-
-class Served(NamedTuple):
-    proc: subprocess.Popen  # app.serve_progress, leader of a session holding every process the app starts
-    stages: Path
-    base: str  # the ingress replica's own port
-    folder: Path
-
-
-def start_served(folder: Path) -> Served:
-    """`make serve` with its ports moved to free ones, in a session of its own."""
-    proxy_port, ingress_port = free_port(), free_port_range(9)
-    committed = (REPO_ROOT / "serve_config.yaml").read_text()
-    config, stages, log = folder / "serve_config.yaml", folder / "stages.txt", folder / "serve_run.log"
-    config.write_text(committed.replace("port: 8000", f"port: {proxy_port}"))
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
-               RAY_USAGE_STATS_ENABLED="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
-    env.pop("RAY_ADDRESS", None)
-    env |= make_serve_env() | {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ingress_port),
-                               "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ingress_port + 8)}
-    with open(stages, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app.serve_progress", str(config), "--url",
-                                 f"http://127.0.0.1:{proxy_port}", "--log", str(log), "--address", "local"],
-                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return Served(proc, stages, f"http://127.0.0.1:{ingress_port}", folder)
-
-
-def wait_for(served: Served, done: Any, what: str, timeout_s: float = 1200) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if served.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the app did not become {what}:\n" + served.stages.read_text())
-        time.sleep(0.5)
-
-
-def healthy(served: Served) -> bool:
-    """/health answers 200 with both replicas (the start-up calibration may still be running)."""
-    try:
-        reply = httpx.get(f"{served.base}/health", timeout=5)
-    except httpx.HTTPError:
-        return False
-    return reply.status_code == 200 and reply.json().get("replicas") == REPLICAS
-
-
-def ready(served: Served) -> bool:
-    """`make serve`'s "ready" line: healthy and calibrated."""
-    return "] ready: " in served.stages.read_text()
-
-
-def stop_served(served: Served) -> None:
-    try:
-        served.proc.send_signal(signal.SIGTERM)  # passed on to serve run alone, which shuts down cleanly
-        served.proc.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(served.proc.pid, signal.SIGKILL)
-        served.proc.wait(30)
 
 
 def session_pids(sid: int) -> list[int]:

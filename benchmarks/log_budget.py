@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
+import tempfile
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import REPO_ROOT, free_port, free_port_range, write_result
+from benchmarks.common import write_result
+from benchmarks.served import ready, start_served, stop_served, wait_for
 
 # (pattern, why the warning is harmless). Matched with re.search against the whole line.
 ALLOWED_WARNINGS: tuple[tuple[str, str], ...] = (
@@ -143,40 +140,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    from tests.test_serve_run import make_serve_env  # the Makefile's SERVE_ENV, as `make serve` sets it
-
-    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvrelay-log-budget-{os.getpid()}"
-    folder.mkdir(parents=True, exist_ok=True)
-    proxy_port, ingress_port = free_port(), free_port_range(9)
-    config, console, log = folder / "serve_config.yaml", folder / "stages.txt", folder / "serve_run.log"
-    config.write_text((REPO_ROOT / "serve_config.yaml").read_text().replace("port: 8000", f"port: {proxy_port}"))
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_USAGE_STATS_ENABLED="0", **make_serve_env())
-    env |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ingress_port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ingress_port + 8)}
-    started = time.monotonic()
-    with open(console, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app.serve_progress", str(config), "--url",
-                                 f"http://127.0.0.1:{proxy_port}", "--log", str(log), "--address", "local"],
-                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{ingress_port}"
+    served = start_served(Path(tempfile.mkdtemp(prefix="kvrelay-log-budget-")))
     try:
-        while "] ready: " not in console.read_text():
-            if proc.poll() is not None or time.monotonic() - started > 900:
-                raise RuntimeError("the app did not start:\n" + console.read_text())
-            time.sleep(2)
-        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        sent = multi_turn_load(base, model)
-        stats = httpx.get(f"{base}/kvrelay/stats", timeout=30).json()
+        wait_for(served, lambda: ready(served), "ready")
+        model = httpx.get(f"{served.base}/v1/models", timeout=30).json()["data"][0]["id"]
+        sent = multi_turn_load(served.base, model)
+        stats = httpx.get(f"{served.base}/kvrelay/stats", timeout=30).json()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-    ray_logs = Path(re.search(r"included: (\S+)\)", console.read_text())[1])
-    lines = log.read_text(errors="replace").splitlines()
-    for path in sorted([*ray_logs.glob("worker-*"), *ray_logs.glob("serve/*.log")]):
+        stop_served(served, timeout_s=120)
+    lines = served.log.read_text(errors="replace").splitlines()
+    for path in sorted([*served.ray_logs().glob("worker-*"), *served.ray_logs().glob("serve/*.log")]):
         lines += path.read_text(errors="replace").splitlines()
     verdict = judge(lines)
     result = {"requests": sent, "counters": stats["counters"], "lines_read": len(lines), **verdict,

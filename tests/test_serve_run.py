@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -20,14 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.common import free_port, free_port_range
-from tests.conftest import REPO_ROOT
-
-
-def make_serve_env() -> dict[str, str]:
-    """The variables `make serve` sets for `serve run` (SERVE_ENV in the Makefile)."""
-    line = (REPO_ROOT / "Makefile").read_text().split("SERVE_ENV :=", 1)[1].split("\n\n", 1)[0]
-    return dict(item.split("=", 1) for item in line.replace("\\", " ").split())
+from benchmarks.served import healthy, start_served, stop_served, wait_for
 
 
 def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replicas: int, timeout_s: float) -> None:
@@ -44,50 +36,15 @@ def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replica
     pytest.fail(f"serve run did not become healthy in {timeout_s:.0f} s:\n" + log.read_text()[-3000:])
 
 
-class Served(NamedTuple):
-    proc: subprocess.Popen  # `make serve`'s console (app/serve_progress.py), which runs serve run
-    log: Path  # serve run's output
-    stages: Path  # what `make serve` prints
-    base: str  # the ingress replica's own port
-    proxy: str  # Serve's proxy
-    ports: tuple[int, int]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve_run")
-    log, config, stages = folder / "serve_run.log", folder / "serve_config.yaml", folder / "stages.txt"
-    proxy_port, ingress_port = free_port(), free_port_range(9)
-    committed = (REPO_ROOT / "serve_config.yaml").read_text()
-    assert committed.count("port: 8000") == 1
-    config.write_text(committed.replace("port: 8000", f"port: {proxy_port}"))
-    serve_env = make_serve_env()
-    assert serve_env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8001"
-    serve_env |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ingress_port),
-                  "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ingress_port + 8)}
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **serve_env)
-    proxy = f"http://127.0.0.1:{proxy_port}"
-    with open(stages, "wb") as out:
-        # As `make serve` runs it (its install and model stages find everything up to date). A new session so that
-        # every process it starts can be found; `--address local` keeps it apart from the test session's own cluster.
-        proc = subprocess.Popen([sys.executable, "-m", "app.serve_progress", str(config), "--url", proxy,
-                                 "--log", str(log), "--address", "local"], cwd=REPO_ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    served = Served(proc, log, stages, f"http://127.0.0.1:{ingress_port}", proxy, (ingress_port, proxy_port))
+    served = start_served(tmp_path_factory.mktemp("serve_run"))
     try:
         # Both replicas up: each engine reports once it has started, not necessarily together.
-        wait_until_healthy(proc, log, served.base, replicas=2, timeout_s=900)
+        wait_for(served, lambda: healthy(served), "healthy", timeout_s=900)
         yield served
     finally:
-        try:
-            proc.send_signal(signal.SIGTERM)  # passed on to serve run alone, which shuts down cleanly
-            proc.wait(60)
-        except ProcessLookupError:
-            pass  # the last test killed the group itself
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop_served(served, timeout_s=60)  # the last test may have killed the session itself
 
 
 # What `make serve` prints, in order, one line each.
