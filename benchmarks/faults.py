@@ -191,6 +191,8 @@ class Campaign:
                 break
             self.setup_retries += 1
         other = next(r for r in self.live() if r != holder)
+        if fault in RACES:
+            self.pull_offered(history, other)
         struck = time.monotonic()
         tokens = GREEDY.max_tokens
         killed: list[str] = []  # the engine replica a fault killed: recovered once another has taken its place
@@ -241,6 +243,15 @@ class Campaign:
         if self.last_error is not None:
             row["error"], self.last_error = self.last_error, None
         return row
+
+    def pull_offered(self, history: list[int], target: str, timeout_s: float = 5.0) -> None:
+        """Until the ingress's own view of the directory (its mirror, a change feed behind the directory) offers the
+        turn a pull onto `target`."""
+        deadline = time.monotonic() + timeout_s
+        while "pull" not in self.app.ingress.plan.remote(history, [target]).result()["estimates_ms"]:
+            if time.monotonic() > deadline:
+                return  # the turn will say why (recorded as its error)
+            time.sleep(0.05)
 
     def hold_of(self, history: list[int], holder: str) -> Any:
         """The hold `holder` offers for `history`, as the KV directory has it (None if it offers none)."""
