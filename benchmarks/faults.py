@@ -16,8 +16,8 @@ compared with a recompute of the same history on a live replica. The faults:
 - `pull_at_the_end_of_the_offer`: the pull sent just before the directory stops offering the hold (its lease ends
   `expiry_margin_s` later).
 
-Races around a pull's read (`--races N`, N pulls each, on an app of their own with a 6 s lease, every pull verified
-against its holder's digests; results in their own file):
+Races around a pull's read (`--races N`, N pulls each, on an app of their own with the default 10 s lease, every pull
+verified against its holder's digests; results in their own file):
 
 - `lease_ends_during_pull`: the pull sent at the end of the offer, the reader's processes SIGSTOPped for 1-3.5 s
   right after, so that its read starts or finishes around the end of the hold's lease;
@@ -63,7 +63,7 @@ LONG_STREAM = 300  # tokens of the turn whose replica is killed mid-stream
 FAULTS = ("holder_killed_between_turns", "serving_replica_killed_mid_stream", "directory_killed", "ingress_killed",
           "holder_stopped_during_pull", "pull_at_the_end_of_the_offer")
 RACES = ("lease_ends_during_pull", "release_racing_a_read", "holder_paused_through_lease", "reader_killed_mid_read")
-RACE_TTL_S = 6.0
+RACE_TTL_S = 10.0  # the default lease (configs/engine.py)
 
 
 def engine_processes() -> set[int]:
@@ -102,6 +102,10 @@ def kill(processes: list[psutil.Process]) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(processes, timeout=30)
+
+
+class SetupFailed(RuntimeError):
+    """A race could not be set up (its hold was gone before the fault could strike): not a turn of the app's."""
 
 
 def signal_all(processes: list[psutil.Process], sig: int) -> None:
@@ -291,6 +295,8 @@ class Campaign:
             signal_all(reader, signal.SIGCONT)
         elif fault == "release_racing_a_read":
             hold = self.hold_of(history, holder)
+            if hold is None:
+                raise SetupFailed("the hold was no longer offered when the race began")
             sender.start()
             time.sleep(self.rng.uniform(0.0, 0.05))
             self.app.engines.release_hold.remote(HoldRelease(hold=hold, target_replica=other)).result(timeout_s=60)
@@ -359,7 +365,12 @@ class Campaign:
                     if rep >= self.reps_of(fault):
                         continue
                     before = self.app.ingress.stats.remote().result()["counters"]
-                    rows.append({"rep": rep, **self.play(fault)})
+                    try:
+                        rows.append({"rep": rep, **self.play(fault)})
+                    except SetupFailed as exc:
+                        self.setup_retries += 1
+                        print(f"{fault}: set up again ({exc})", flush=True)
+                        continue
                     after = self.app.ingress.stats.remote().result()["counters"]
                     mine = counters.setdefault(fault, Counter())
                     for name in ("pulls_verified", "pulls_refused", "pull_failures", "plans_pull"):

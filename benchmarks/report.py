@@ -540,7 +540,7 @@ SECTIONS: list[Section] = [
             "Scripted faults, each three times, under two background conversations; every turn checked token for "
             "token against a recompute.", render_faults),
     Section("Races around a pull's read", ("fault_races.json",),
-            "Faults timed against a pull's read on an app with 6 s leases, every pull verified against its holder's "
+            "Faults timed against a pull's read on an app with 10 s leases, every pull verified against its holder's "
             "digests and every answer checked token for token against a recompute (`benchmarks.faults --races`).",
             render_fault_races),
     Section("What pull verification costs", ("pull_verify.json",),
