@@ -506,8 +506,10 @@ class TurnRunner:
                     outcome.pull_failed = True
                     self._after_response(drained(stream, request.request_id))
                     # A dead or restarted holder would fail every pull after a 5 s handshake timeout: forget
-                    # it and all it holds. If it is alive, its next heartbeat and turns bring it back.
-                    if plan.holder:
+                    # it and all it holds. If it is alive, its next heartbeat and turns bring it back. A read the
+                    # reader refused (too close to the lease's end, or blocks unlike the holder's) came from a
+                    # holder that answered: it stays.
+                    if plan.holder and not (delta.read_check or "").startswith("refused"):
                         await self.directory.deregister(plan.holder)
                     return
                 if delta.token_ids and not output:
