@@ -147,12 +147,19 @@ def lower_engine_priority(pids: list[int], nice: int) -> None:
     starts with its creator's, so threads the engine starts later inherit it."""
     if nice <= 0:
         return
-    for tid in engine_threads(pids):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError:  # the thread ended meanwhile
-            continue
+    # Until a pass finds every thread lowered: a thread a not-yet-lowered thread started while a pass ran was not in
+    # its listing, and keeps its creator's nice 0 (seen once on a loaded machine, in a thread started during start-up).
+    for _ in range(20):
+        lowered = 0
+        for tid in engine_threads(pids):
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    lowered += 1
+            except OSError:  # the thread ended meanwhile
+                continue
+        if not lowered:
+            return
 
 
 def engine_threads(pids: list[int]) -> list[int]:
