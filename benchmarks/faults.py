@@ -32,15 +32,14 @@ KV cache must be empty again (no hold leaked).
 
 A turn has failed if the client got no answer after its retries (HTTP: for 90 s; the background clients of the Python
 handle API: twice, as OpenAI's SDK retries); recovery is the time from
-the fault until both replicas (and for the ingress fault, HTTP) answer again. Leaked processes are vLLM engine
-processes still alive 15 s after the app is shut down.
+the fault until both replicas (and for the ingress fault, HTTP) answer again. Leaked processes are the engine
+processes the app's replicas reported that are still alive 15 s after the app is shut down.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import threading
@@ -66,8 +65,20 @@ RACES = ("lease_ends_during_pull", "release_racing_a_read", "holder_paused_throu
 RACE_TTL_S = 10.0  # the default lease (configs/engine.py)
 
 
-def engine_processes() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("VLLM::")}
+def app_engine_processes() -> list[psutil.Process]:
+    """The vLLM engine processes of the app's live replicas, as they reported them (other apps' engines on this
+    machine are not this app's)."""
+    from ray import serve
+
+    directory = serve.get_deployment_handle("kv_directory", app_name="bench")
+    found = []
+    for identity in directory.replica_identities.remote().result(timeout_s=30):
+        for pid in identity.engine_pids:
+            try:
+                found.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+    return found
 
 
 def serve_replica_processes(deployment: str) -> list[psutil.Process]:
@@ -403,7 +414,6 @@ def main() -> None:
     parser.add_argument("--kill-reps", type=int, default=10,
                         help="of those, how many kill the reader (each waits for Serve to replace it)")
     args = parser.parse_args()
-    before = engine_processes()
     ttl = HOLD_TTL_S if args.races is None else RACE_TTL_S
     app = start_app(MODEL, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=64 * 1024**2,
                     nixl={"hold_ttl_s": ttl, "verify_pulls": True})
@@ -415,12 +425,12 @@ def main() -> None:
             campaign = Campaign(app, args.races, RACES, ttl, kill_reps=min(args.kill_reps, args.races))
         figures = campaign.run()
     finally:
+        ours = app_engine_processes()  # those of the replicas alive now; the ones killed were checked as they died
         stop_app(app)
     time.sleep(15)
-    leaked = sorted(engine_processes() - before)
+    leaked = [p for p in ours if p.is_running()]
     figures["leaked_processes"] = len(leaked)
-    for pid in leaked:  # ours: started by this run's app
-        os.kill(pid, signal.SIGKILL)
+    kill(leaked)
     write_result(args.out, figures)
     print(json.dumps({k: v for k, v in figures.items() if k != "runs"}, indent=2))
 

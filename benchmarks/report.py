@@ -413,8 +413,7 @@ def render_fault_races(results: Results) -> list[str]:
     return table(["race", "runs", "pulls planned", "verified", "refused", "failed pulls", "failed turns",
                   "wrong turns"], rows) + [
         "", f"Background turns {fmt(data['background_turns'])}, failed {data['background_failed_turns']}; KV cache "
-        f"use per replica once the leases were over: {usage} (holds leaked: {fmt(data['leaked_holds'])}); engine "
-        f"processes left after shutdown: {data['leaked_processes']}."]
+        f"use per replica once the leases were over: {usage} (holds leaked: {fmt(data['leaked_holds'])})."]
 
 
 def render_pull_verify(results: Results) -> list[str]:
@@ -541,8 +540,9 @@ SECTIONS: list[Section] = [
             "token against a recompute.", render_faults),
     Section("Races around a pull's read", ("fault_races.json",),
             "Faults timed against a pull's read on an app with 10 s leases, every pull verified against its holder's "
-            "digests and every answer checked token for token against a recompute (`benchmarks.faults --races`).",
-            render_fault_races),
+            "digests and every answer checked token for token against a recompute (`benchmarks.faults --races`). A "
+            "failed turn is one whose forced pull could not be planned (its error, recorded in the file: the hold was "
+            "not offered), not one the app answered wrongly.", render_fault_races),
     Section("What pull verification costs", ("pull_verify.json",),
             "CRC32 of every held block at export and of every received block before use (`nixl.verify_pulls`), "
             "on two replicas of the default model (`benchmarks.pull_verify`).", render_pull_verify),
