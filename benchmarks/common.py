@@ -40,7 +40,7 @@ def _git(*args: str) -> str | None:
         done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
+    return done.stdout.rstrip() if done.returncode == 0 else None  # leading spaces are porcelain's status column
 
 
 def command_line() -> str:
