@@ -285,19 +285,17 @@ class TurnRunner:
 
     def plan(self, turn: Turn, force: tuple[Mode, str] | None = None, targets: Sequence[str] | None = None) -> Plan:
         """Plan a turn from this ingress's own view (no remote call); `targets` limits where it may run (holders
-        may be any live replica)."""
-        started = time.perf_counter()
+        may be any live replica). Reads state only: `Ingress.plan` is a dry run, and a turn that runs is counted by
+        `record_planned`."""
         key = self.key(turn)
-        turn_index: int | None = 0  # the turn's place in its conversation (None: it continues one, where is unknown)
         lookup, replicas = self.directory.lookup(key), self.directory.live()
         if turn.params.prompt_logprobs is not None:
             # Every prompt position needs its logprobs computed: nothing cached or pulled may stand in for it.
             lookup = LookupResult(lookup.query_tokens, ())
-        if force is None and self._leaves_holds(turn, "decode"):
+        turn_index: int | None = 0  # the turn's place in its conversation (None: it continues one, where is unknown)
+        if self._tracks_conversations(turn, force):
             # A turn whose prompt starts with a previous turn's whole prompt continues a conversation: how often that
-            # happens tells how many turns a placement brings along. Only where turns leave their history held for
-            # the next turn (the last stage's hold: in P/D the decode's, which only pulling policies keep) can a
-            # continuation be told from a new prompt sharing a prefix. Not by a hold matching the prompt: the reply
+            # happens tells how many turns a placement brings along. Not by a hold matching the prompt: the reply
             # comes back re-tokenized from its text, and in up to a quarter of the benchmark's continuing turns
             # its tokens differed from the generated ones. Nor only by a pending hold: after a pause longer than the
             # hold's lease, by where this ingress's recent prompts ended, which also tell the turn's place in its
@@ -306,24 +304,36 @@ class TurnRunner:
             turn_index = self.recent_prompts.place(key)
             if turn_index == 0 and self.directory.continues(key):
                 turn_index = None
-            self.cost.observe_turn(turn_index)
-            self.recent_prompts.add(key, turn_index)
         node_of = {r.replica_id: r.node_id for r in replicas}
-        self.cost.set_nodes(node_of)
+        self.cost.set_nodes(node_of)  # the live replicas' nodes, as the directory has them (no turn recorded)
         views = with_busy_peers([self.inflight.view(r, key) for r in replicas], node_of)
 
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.
-            return Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet")
+            return Plan("", Mode.RECOMPUTE, None, 0, 0, 0.0, {}, "no replica has reported its load yet",
+                        turn_index=turn_index)
         eligible = [v.replica_id for v in views if targets is None or v.replica_id in targets]
         preferred = preferred_replica(turn.session_id, eligible)
-        self._rotation += 1
-        plan = plan_turn(
-            len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy, self._rotation,
-            self._output_tokens(turn), self.met, turn_index,
+        return plan_turn(
+            len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy,
+            self._rotation + 1, self._output_tokens(turn), self.met, turn_index,
         )
-        self.plan_ms.append((time.perf_counter() - started) * 1e3)
-        return plan
+
+    def record_planned(self, turn: Turn, plan: Plan, force: tuple[Mode, str] | None, plan_ms: float) -> None:
+        """Count a turn that runs as `plan` (once per turn: not again for its continuation after a lost replica):
+        the round-robin baselines' rotation, the turn's place in its conversation (the forecast of turns to come)
+        and its prompt (the next turn's place), and how long planning it took."""
+        self._rotation += 1
+        self.plan_ms.append(plan_ms)
+        if self._tracks_conversations(turn, force):
+            self.cost.observe_turn(plan.turn_index)
+            self.recent_prompts.add(self.key(turn), plan.turn_index)
+
+    def _tracks_conversations(self, turn: Turn, force: tuple[Mode, str] | None) -> bool:
+        """Whether the turn's place in its conversation is tracked: only where turns leave their history held for
+        the next turn (the last stage's hold: in P/D the decode's, which only pulling policies keep) can a
+        continuation be told from a new prompt sharing a prefix; forced turns (tests, benchmarks) are not counted."""
+        return force is None and self._leaves_holds(turn, "decode")
 
     def key(self, turn: Turn) -> PrefixKey:
         """The turn's token ids hashed into blocks (built once per turn; a continuation after a lost replica is a
@@ -347,8 +357,10 @@ class TurnRunner:
         outcome: TurnOutcome | None = None
         rest: Turn | None = turn
         while rest is not None:
+            planning = time.perf_counter()
             plan = self.plan(rest, force, self._targets())
             if outcome is None:
+                self.record_planned(turn, plan, force, (time.perf_counter() - planning) * 1e3)
                 outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
             else:
                 outcome.plan, outcome.pull_failed = plan, False

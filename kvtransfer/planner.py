@@ -133,6 +133,8 @@ class Plan(NamedTuple):
     model_ms: float = 0.0
     # The delay the chosen option imposes on other requests' first tokens (on its target or beside it).
     impact_ms: float = 0.0
+    # The turn's place in its conversation as planned (0: its first; None: not known).
+    turn_index: int | None = 0
 
 
 def _options(
@@ -320,6 +322,7 @@ def plan_turn(
         busy_peers=next(contending_peers(r, cost) for r in replicas if r.replica_id == chosen.replica_id),
         model_ms=round(chosen.model_ms, 2),
         impact_ms=round(chosen.impact_ms, 2),
+        turn_index=turn_index,
     )
 
 
