@@ -31,18 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, machine
-from benchmarks.multi_turn import (
-    BenchConfig,
-    Conversation,
-    load_config,
-    percentile,
-    synthetic_conversations,
-    targets,
-    warm_up,
-    word_pool,
-    workload_arguments,
-    write_results,
-)
+from benchmarks.multi_turn import load_config, warm_up, workload_arguments
+from benchmarks.multi_turn_results import percentile, targets, write_results
+from benchmarks.multi_turn_workload import BenchConfig, Conversation, synthetic_conversations, word_pool
 
 DEFAULT_AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
 SLOT_CHECKS_PER_S = 100

@@ -1,8 +1,9 @@
 """Workloads for the fleet study: conversations as token ids, with arrival times, tenants and think times.
 
-The four multi-turn configs in `benchmarks/configs/` (the real benchmark's, `benchmarks.multi_turn.BenchConfig`)
-scaled to the fleet, plus workloads only a fleet has: a trace-shaped one (`trace`), bursts (`bursts`) and one hot
-tenant (`hot_tenant`), defined in `benchmarks/configs/fleet_*.json` with their sources.
+The four multi-turn configs in `benchmarks/configs/` (the real benchmark's,
+`benchmarks.multi_turn_workload.BenchConfig`) scaled to the fleet, plus workloads only a fleet has: a trace-shaped one
+(`trace`), bursts (`bursts`) and one hot tenant (`hot_tenant`), defined in `benchmarks/configs/fleet_*.json` with their
+sources.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from benchmarks.multi_turn import BenchConfig
+from benchmarks.multi_turn_workload import BenchConfig
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # The real benchmark's workloads, each sized for two replicas (`BenchConfig.num_replicas`).

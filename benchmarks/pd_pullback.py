@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, start_app, stop_app, write_result
-from benchmarks.multi_turn import QUICK, BenchConfig, benchmark, synthetic_conversations, word_pool
+from benchmarks.multi_turn import benchmark
+from benchmarks.multi_turn_workload import QUICK, BenchConfig, synthetic_conversations, word_pool
 
 ENGINE = {"max_model_len": 4096, "kv_cache_memory_bytes": 512 * 1024**2}
 # The prefill replica's prefix caching -> (label, the policy the ingress runs) for each mode on that app.

@@ -22,7 +22,7 @@ from benchmarks.common import write_result
 from benchmarks.fleet import summarize
 from benchmarks.fleet_sim import Fleet
 from benchmarks.fleet_workloads import from_bench_config
-from benchmarks.multi_turn import BenchConfig
+from benchmarks.multi_turn_workload import BenchConfig
 from configs.app import Policy
 from kvtransfer.sim.profile import load_profile
 
