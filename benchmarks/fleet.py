@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import write_result
-from benchmarks.fleet_sim import Fleet, FleetResult
+from benchmarks.fleet_sim import Fleet
+from benchmarks.fleet_turns import FleetResult
 from benchmarks.fleet_workloads import MULTI_TURN, load_workload
 from configs.app import Policy
 from kvtransfer.sim.profile import EngineProfile, Link, load_profile

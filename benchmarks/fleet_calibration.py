@@ -10,13 +10,14 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
+from benchmarks.fleet_turns import LiveConversation
 from benchmarks.fleet_workloads import Conversation, Turn
 from configs.app import Policy
 from kvtransfer.calibration import CALIBRATION_TENANT, CONTENTION_LENGTHS, CONTENTION_START_S, CONTENTION_STREAMS
 from kvtransfer.planner import Mode
 
 if TYPE_CHECKING:
-    from benchmarks.fleet_sim import Fleet, _Live
+    from benchmarks.fleet_sim import Fleet
 
 VOCAB = 32000
 
@@ -27,7 +28,7 @@ def calibrate(fleet: Fleet) -> None:
     if len(ids) < 2:
         return
 
-    def conversation(n: int, output: int = 1) -> _Live:
+    def conversation(n: int, output: int = 1) -> LiveConversation:
         def tokens(k: int) -> list[int]:
             return [rng.randrange(100, VOCAB) for _ in range(k)]
 
@@ -36,7 +37,7 @@ def calibrate(fleet: Fleet) -> None:
         return fleet.new_conversation(Conversation(conv_id=f"calibration-{rng.random()}", tenant=CALIBRATION_TENANT,
                                                    start_s=0, prefix_tokens=tokens(n), turns=turns))
 
-    def forced(live: _Live, mode: Mode, replica: str) -> None:
+    def forced(live: LiveConversation, mode: Mode, replica: str) -> None:
         finished: list[bool] = []
         fleet.start_turn(live, (mode, replica), Policy.KVRELAY, on_done=lambda: finished.append(True))
         fleet.run_until_idle(done=lambda: bool(finished))

@@ -15,19 +15,19 @@ Deterministic for a seed: one heap of events, ties broken by insertion order.
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from actors.kv_directory.index import KVDirectory
 from actors.kv_events import ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope
+from benchmarks.fleet_turns import FleetResult, LiveConversation, TurnInFlight, TurnRecord
 from benchmarks.fleet_workloads import Conversation, Workload, conversations
 from configs.app import Policy
 from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import preferred_replica, with_busy_peers
-from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn, reads_hold
+from kvtransfer.planner import Mode, ReplicaView, plan_turn, reads_hold
 from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as EngineHold
 from kvtransfer.sim.engine import SimEngine, SimRequest
@@ -36,59 +36,6 @@ from kvtransfer.types import Hold
 
 MODEL = "sim"
 RATE_WINDOW_S = 10.0  # as the ingress's InFlight counts arrival rates
-
-
-@dataclass
-class TurnRecord:
-    conv_id: str
-    turn: int
-    policy: str
-    start_s: float
-    ttft_ms: float
-    prompt_tokens: int
-    reused_tokens: int
-    mode: str
-    replica: str
-    estimate_ms: float
-    pulled_bytes: int = 0
-
-
-@dataclass
-class _Live:
-    """A conversation being served: its history as token ids, hashed both ways, and its turns to come."""
-
-    conv: Conversation
-    tokens: list[int]
-    vllm_hashes: list[bytes]
-    key: PrefixKey
-    next_turn: int = 0
-
-
-@dataclass
-class _Turn:
-    live: _Live
-    index: int
-    plan: Plan
-    start: float
-    prompt: list[int]
-    request: SimRequest
-    pulled_bytes: int = 0
-    busy_peers: int = 0
-    forced: bool = False
-    on_done: Callable[[], None] | None = None
-    kv_wait_ms: float | None = None
-    decode_stage: bool = False  # P/D: the decode pool's part of the turn (its first token was the prefill's)
-    output: list[int] = field(default_factory=list)
-    pulls: bool = False  # the turn's policy pulls: its last stage leaves a hold for the next turn
-
-
-@dataclass
-class FleetResult:
-    records: list[TurnRecord] = field(default_factory=list)
-    counters: Counter = field(default_factory=Counter)
-    requests_per_replica: Counter = field(default_factory=Counter)
-    duration_s: float = 0.0
-    cost_model: dict = field(default_factory=dict)
 
 
 class Fleet:
@@ -128,7 +75,7 @@ class Fleet:
         self.cost.set_nodes({e.replica_id: e.node for e in self.engines})
         self.met: set[tuple[str, str]] = set()
         self.result = FleetResult()
-        self._turns: dict[str, _Turn] = {}
+        self._turns: dict[str, TurnInFlight] = {}
         self._holds: dict[str, EngineHold] = {}  # request id -> the modelled engine's hold
         self._arrivals: dict[str, deque[tuple[float, str]]] = {e.replica_id: deque() for e in self.engines}
         self._rotation = 0
@@ -198,8 +145,9 @@ class Fleet:
 
     # ----- turns
 
-    def start_turn(self, live: _Live, force: tuple[Mode, str] | None = None, tenant_policy: Policy | None = None,
-                   on_done: Callable[[], None] | None = None, max_tokens: int | None = None) -> None:
+    def start_turn(self, live: LiveConversation, force: tuple[Mode, str] | None = None,
+                   tenant_policy: Policy | None = None, on_done: Callable[[], None] | None = None,
+                   max_tokens: int | None = None) -> None:
         """Plan and start the conversation's next turn now."""
         conv, index = live.conv, live.next_turn
         turn = conv.turns[index]
@@ -237,7 +185,7 @@ class Fleet:
                              self.now, cache_salt=conv.tenant,
                              skip_cache=force is not None and force[0] is Mode.RECOMPUTE,
                              export_hold=disaggregated or pulls)
-        t = _Turn(live, index, plan, self.now, prompt, request, forced=force is not None and not baseline,
+        t = TurnInFlight(live, index, plan, self.now, prompt, request, forced=force is not None and not baseline,
                   on_done=on_done)
         t.output = output
         t.pulls = pulls
@@ -250,7 +198,7 @@ class Fleet:
         target.add(request)
         self._kick(target)
 
-    def _read_hold(self, t: _Turn, target: SimEngine) -> None:
+    def _read_hold(self, t: TurnInFlight, target: SimEngine) -> None:
         """Take the planned hold from the directory and start its read (a pull, or a copy inside the holder)."""
         hold = self.directory.consume_hold(t.plan.hold.hold_id)
         engine_hold = self._holds.pop(hold.request_id, None) if hold is not None else None
@@ -331,7 +279,7 @@ class Fleet:
         if t.on_done is not None:
             t.on_done()
 
-    def _decode(self, t: _Turn, r: SimRequest, prefill_hold: EngineHold | None) -> None:
+    def _decode(self, t: TurnInFlight, r: SimRequest, prefill_hold: EngineHold | None) -> None:
         """P/D: the least busy decode replica reads the prompt's KV from the prefill replica and decodes the rest,
         holding the whole turn's KV afterwards for the next turn's prefill to pull back."""
         target = min((self.by_id[i] for i in self.decode_pool),
@@ -348,14 +296,14 @@ class Fleet:
         if prefill_hold is not None:
             self.at(request.kv_ready_at, lambda: (prefill_hold.release(), self._report_events(prefill)))
         plan = t.plan._replace(replica_id=target.replica_id)
-        d = _Turn(t.live, t.index, plan, self.now, t.prompt, request, forced=True, on_done=t.on_done,
+        d = TurnInFlight(t.live, t.index, plan, self.now, t.prompt, request, forced=True, on_done=t.on_done,
                   decode_stage=True, output=t.output, pulls=t.pulls)
         self._turns[request.request_id] = d
         target.add(request)
         self._report_events(prefill)
         self._kick(target)
 
-    def _record_hold(self, engine: SimEngine, r: SimRequest, hold: EngineHold, live: _Live) -> None:
+    def _record_hold(self, engine: SimEngine, r: SimRequest, hold: EngineHold, live: LiveConversation) -> None:
         record = Hold(engine_id=engine.replica_id, host="sim", port=0, block_ids=[[]], num_tokens=hold.num_tokens,
                       request_id=r.request_id)
         result = self.directory.record_hold(engine.replica_id, live.key.truncate(hold.num_tokens), record,
@@ -369,9 +317,9 @@ class Fleet:
 
     # ----- calibration and serving
 
-    def new_conversation(self, conv: Conversation) -> _Live:
+    def new_conversation(self, conv: Conversation) -> LiveConversation:
         scope = Scope(MODEL, conv.tenant)
-        return _Live(conv, list(conv.prefix_tokens), [], PrefixKey.build(conv.prefix_tokens, scope,
+        return LiveConversation(conv, list(conv.prefix_tokens), [], PrefixKey.build(conv.prefix_tokens, scope,
                                                                         self.profile.block_size))
 
     def run(self, workload: Workload) -> FleetResult:
