@@ -15,6 +15,7 @@ from actors.kv_directory.actor import KVDirectoryActor
 from actors.vllm_engine import check_platform_limits
 from app.ingress import Ingress
 from configs.app import AppConfig, PoolConfig
+from kvtransfer.policies import get_policy
 
 ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
 POLICY_CLASS = "app.autoscaling:EngineAutoscalingPolicy"
@@ -118,6 +119,7 @@ def check_user_model(pool: PoolConfig) -> None:
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Serve application builder: `import_path: app.builder:build_app` with `args:` an AppConfig."""
     config = AppConfig.model_validate(args or {})
+    get_policy(config.policy)  # a policy name nothing registered is refused here, before any actor starts
     for pool in (config.pool, config.decode_pool):
         if pool is not None:
             check_user_model(pool)

@@ -12,7 +12,8 @@ from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta
 from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner, continuation, whole_turn
 from kvtransfer.cost_model import CostModel
-from kvtransfer.planner import Mode, Plan
+from kvtransfer.options import Mode
+from kvtransfer.planner import Plan
 from kvtransfer.types import Hold
 
 

@@ -52,11 +52,12 @@ from app.responses import (
     prepend,
 )
 from app.turns import PREFILL_POOL, Turn, TurnLost, TurnOutcome, TurnRunner
-from configs.app import AppConfig, Policy
+from configs.app import AppConfig
 from kvtransfer.calibration import calibrate
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.planner import Mode
+from kvtransfer.options import Mode
+from kvtransfer.policies import PlacementPolicy, get_policy, policy_names
 from model_prep.store import model_path
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Ingress:
         self, config: dict[str, Any], directory: DeploymentHandle, engines: DeploymentHandle, **pools: DeploymentHandle
     ) -> None:
         self.config = AppConfig.model_validate(config)
+        self.policy = get_policy(self.config.policy)
         engine = self.config.pool.engine
         self.model = self.config.openai.served_model_name or engine.model
         self.max_model_len = engine.max_model_len
@@ -534,14 +536,14 @@ class Ingress:
 
     # ------------------------------------------------------------------------------ turns
 
-    def _policy(self, requested: str | None) -> Policy:
+    def _policy(self, requested: str | None) -> PlacementPolicy:
         """The deployment's policy, or the one a request names (`x-kvrelay-policy`, for side-by-side benchmarks)."""
         if requested is None:
-            return self.config.policy
+            return self.policy
         try:
-            return Policy(requested)
+            return get_policy(requested)
         except ValueError:
-            raise ClientError(400, f"unknown placement policy {requested!r}; known: {[p.value for p in Policy]}",
+            raise ClientError(400, f"unknown placement policy {requested!r}; known: {policy_names()}",
                               param="x-kvrelay-policy") from None
 
     async def _run(
@@ -560,7 +562,7 @@ class Ingress:
         try:
             async for delta, outcome in self.runner.run(turn, force):
                 if delta.finished:
-                    self.metrics.observe_turn(outcome, delta, time.monotonic() - started, turn.policy.value)
+                    self.metrics.observe_turn(outcome, delta, time.monotonic() - started, turn.policy.name)
                 yield delta, outcome
         except Exception as exc:
             if caused_by(exc, BackPressureError):

@@ -33,12 +33,13 @@ from actors.prefix_hash import BlockHash, PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats
 from app.recent_prompts import RecentPrompts
 from app.responses import caused_by
-from configs.app import Policy
 from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import preferred_replica, with_busy_peers
-from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn, reads_hold
+from kvtransfer.options import Mode, ReplicaView
+from kvtransfer.planner import Plan, plan_turn, reads_hold
+from kvtransfer.policies import DEFAULT_POLICY, PlacementPolicy, get_policy
 from kvtransfer.types import Hold, HoldOffer, LookupResult
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class Turn:
     # A placement hint only (X-Session-Id): equal options go to the replica that id usually maps to.
     session_id: str | None = None
     # How the turn is placed; the baselines exist so benchmarks can compare on the same engines.
-    policy: Policy = Policy.KVRELAY
+    policy: PlacementPolicy = field(default_factory=lambda: get_policy(DEFAULT_POLICY))
     # vLLM's scheduling priority (lower runs first; engines refuse non-zero ones unless they schedule by priority).
     priority: int = 0
     # The token ids hashed into blocks (`TurnRunner.key`): once per turn, not per plan and request.

@@ -23,11 +23,12 @@ from actors.kv_events import ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope
 from benchmarks.fleet_turns import FleetResult, LiveConversation, TurnInFlight, TurnRecord
 from benchmarks.fleet_workloads import Conversation, Workload, conversations
-from configs.app import Policy
 from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import preferred_replica, with_busy_peers
-from kvtransfer.planner import Mode, ReplicaView, plan_turn, reads_hold
+from kvtransfer.options import Mode, ReplicaView
+from kvtransfer.planner import plan_turn, reads_hold
+from kvtransfer.policies import get_policy
 from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as EngineHold
 from kvtransfer.sim.engine import SimEngine, SimRequest
@@ -41,11 +42,11 @@ RATE_WINDOW_S = 10.0  # as the ingress's InFlight counts arrival rates
 class Fleet:
     """N modelled replicas behind one planner. `run(workload)` serves a workload under one policy."""
 
-    def __init__(self, profile: EngineProfile, replicas: int, policy: Policy, seed: int = 0,
+    def __init__(self, profile: EngineProfile, replicas: int, policy: str, seed: int = 0,
                  topology: str = "aggregated", prefill_replicas: int | None = None,
                  prefill_prefix_caching: bool = True, recompute_baseline: bool = False) -> None:
         self.profile = profile
-        self.policy = policy
+        self.policy = get_policy(policy)
         self.seed = seed
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -146,7 +147,7 @@ class Fleet:
     # ----- turns
 
     def start_turn(self, live: LiveConversation, force: tuple[Mode, str] | None = None,
-                   tenant_policy: Policy | None = None, on_done: Callable[[], None] | None = None,
+                   tenant_policy: str | None = None, on_done: Callable[[], None] | None = None,
                    max_tokens: int | None = None) -> None:
         """Plan and start the conversation's next turn now."""
         conv, index = live.conv, live.next_turn
@@ -154,7 +155,7 @@ class Fleet:
         prompt = live.tokens + turn.user_tokens
         output = turn.output_tokens[: max_tokens] if max_tokens else turn.output_tokens
         key = live.key.extend(turn.user_tokens)
-        policy = tenant_policy or self.policy
+        policy = get_policy(tenant_policy) if tenant_policy else self.policy
         pulls = policy.pulls and len(self.engines) > 1
         turn_index: int | None = index
         baseline = self.recompute_baseline and self._serving
@@ -246,7 +247,7 @@ class Fleet:
                 self.result.counters["holds_released"] += 1
         if not t.forced:
             self.result.records.append(TurnRecord(
-                t.live.conv.conv_id, t.index, self.policy.value, t.start, ttft, r.prompt_len, r.reused_tokens,
+                t.live.conv.conv_id, t.index, self.policy.name, t.start, ttft, r.prompt_len, r.reused_tokens,
                 plan.mode.value if r.pulled_tokens or plan.mode is not Mode.PULL else Mode.RECOMPUTE.value,
                 engine.replica_id, plan.estimate_ms, t.pulled_bytes))
 

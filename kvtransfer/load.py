@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvtransfer.planner import PeerLoad, ReplicaView
+from kvtransfer.options import PeerLoad, ReplicaView
 
 
 def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from configs.app import Policy
 from kvtransfer.cost_model import CostModel, LoadView
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.load import preferred_replica
-from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView, _options, plan_turn
+from kvtransfer.options import STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView
+from kvtransfer.planner import _options, plan_turn
+from kvtransfer.policies.kvrelay import STAY_MARGIN
 from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
 
@@ -211,22 +212,22 @@ def test_baseline_policies_place_turns_by_their_own_rules():
     held = lookup(1000, ReplicaMatch("a", 960, "hold", 960, hold("a", 960)),
                   ReplicaMatch("c", 64, "resident", 64, None))
     # Round robin walks the replicas in turn and never pulls; each target uses its own prefix cache.
-    rr = [plan_turn(1000, held, views, cost, policy=Policy.ROUND_ROBIN, rotation=i) for i in range(3)]
+    rr = [plan_turn(1000, held, views, cost, policy="round_robin", rotation=i) for i in range(3)]
     assert [p.replica_id for p in rr] == ["a", "b", "c"]
     assert [p.mode for p in rr] == [Mode.LOCAL, Mode.RECOMPUTE, Mode.LOCAL]
     # Session affinity: the session's replica, whatever it holds.
-    session = plan_turn(1000, held, views, cost, preferred_replica="b", policy=Policy.SESSION)
+    session = plan_turn(1000, held, views, cost, preferred_replica="b", policy="session")
     assert (session.replica_id, session.mode) == ("b", Mode.RECOMPUTE)
     # Prefix affinity: the longest holder; with nothing held anywhere, the least loaded replica.
-    assert plan_turn(1000, held, views, cost, policy=Policy.PREFIX_AFFINITY).replica_id == "a"
+    assert plan_turn(1000, held, views, cost, policy="prefix_affinity").replica_id == "a"
     nothing = plan_turn(1000, lookup(1000), [ReplicaView("a", running=2), ReplicaView("b")], cost,
-                        policy=Policy.PREFIX_AFFINITY)
+                        policy="prefix_affinity")
     assert nothing.replica_id == "b"
     # vLLM's fixed threshold: off the holder, pull whenever the hold adds 64 tokens or more.
-    fixed = plan_turn(1000, held, views, cost, policy=Policy.FIXED_THRESHOLD, rotation=1)
+    fixed = plan_turn(1000, held, views, cost, policy="fixed_threshold", rotation=1)
     assert (fixed.replica_id, fixed.mode, fixed.holder) == ("b", Mode.PULL, "a")
     short = lookup(100, ReplicaMatch("a", 40, "hold", 32, hold("a", 40)))
-    assert plan_turn(100, short, views, cost, policy=Policy.FIXED_THRESHOLD, rotation=1).mode is Mode.RECOMPUTE
+    assert plan_turn(100, short, views, cost, policy="fixed_threshold", rotation=1).mode is Mode.RECOMPUTE
     # Every plan still carries every estimate, so a benchmark can show what the choice cost.
     assert set(fixed.estimates_ms) == {"local", "pull", "recompute"} and fixed.reason.startswith("fixed_threshold")
 
