@@ -29,7 +29,6 @@ from actors.directory_reporter import DirectoryReporter
 from actors.engine_site import choose_site
 from actors.engine_stats import EngineStats
 from actors.replica_api import (
-    AttentionGroupInfo,
     GenerateDelta,
     GenerateRequest,
     HoldRelease,
@@ -356,11 +355,6 @@ class EngineReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it."""
         return self.load.autoscaling()
-
-    async def attention_groups(self) -> list[AttentionGroupInfo]:
-        """Attention groups of the live worker (rank 0), read through vLLM's collective RPC."""
-        per_worker = await self.engine.collective_rpc("kvrelay_attention_groups")
-        return [AttentionGroupInfo(**group) for group in per_worker[0]]
 
     async def metrics(self, probe: dict[str, Any]) -> str:
         """The process's Prometheus metrics in text format, vLLM's `vllm:*` among them (AsyncLLM records them here).

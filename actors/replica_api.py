@@ -165,11 +165,3 @@ class ReplicaStats(BaseModel):
     prefill_tok_s: float | None
     decode_tok_s: float | None
     requests_finished: int
-
-
-class AttentionGroupInfo(BaseModel):
-    """One attention group of one KV cache group, as the live worker built it."""
-
-    kv_cache_group: int
-    backend: str
-    layer_names: list[str]

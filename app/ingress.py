@@ -51,7 +51,8 @@ from app.responses import (
     openai_error,
     prepend,
 )
-from app.turns import PREFILL_POOL, Turn, TurnLost, TurnOutcome, TurnRunner
+from app.turn_types import Turn, TurnLost, TurnOutcome
+from app.turns import PREFILL_POOL, TurnRunner
 from configs.app import AppConfig
 from kvtransfer.calibration import calibrate
 from kvtransfer.cost_model import CostModel

@@ -281,7 +281,8 @@ def test_a_prefill_beside_a_peer_busy_for_part_of_it_teaches_the_whole_slowdown(
 
 def test_the_peers_busy_during_a_prefill_count_for_their_share_of_it():
     from actors.replica_api import ReplicaStats
-    from app.turns import InFlight, TurnRunner
+    from app.feedback import Feedback
+    from app.inflight import InFlight
 
     def stats(replica_id: str, node_id: str) -> ReplicaStats:
         return ReplicaStats(replica_id=replica_id, node_id=node_id, running=0, waiting=0, kv_cache_usage=0.0,
@@ -292,9 +293,8 @@ def test_the_peers_busy_during_a_prefill_count_for_their_share_of_it():
             return [stats("a", "n1"), stats("b", "n1"), stats("c", "n1"), stats("d", "n2")]
 
     now = [100.0]
-    turns = TurnRunner(None, Directory(), calibrated(), "m", 16, 10.0)
-    turns.inflight = InFlight(clock=lambda: now[0])
-    inflight = turns.inflight
+    inflight = InFlight(clock=lambda: now[0])
+    feedback = Feedback(calibrated(), inflight, Directory().live)
     inflight.started("b", "b1", 0)  # busy before the turn is sent, done 50 ms into its 200
     inflight.started("d", "d1", 0)  # busy throughout, but on another node: shares no cores with "a"
     now[0] = 100.05
@@ -307,13 +307,13 @@ def test_the_peers_busy_during_a_prefill_count_for_their_share_of_it():
     assert inflight.busy_share("b", 100.0, 100.2) == pytest.approx(0.25)
     now[0] = 100.2
     assert inflight.busy_share("c", 100.0, 100.2) == pytest.approx(0.5)
-    assert turns._busy_peers_since("a", 100.0) == pytest.approx(0.75)
+    assert feedback.busy_peers_since("a", 100.0) == pytest.approx(0.75)
     assert inflight.busy_share("b", 100.1, 100.2) == 0.0
 
 
 def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     from actors.replica_api import ReplicaStats
-    from app.turns import InFlight
+    from app.inflight import InFlight
 
     now = [100.0]
     inflight = InFlight(clock=lambda: now[0])
@@ -511,7 +511,7 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
 def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     from actors.prefix_hash import PrefixKey, Scope
     from actors.replica_api import ReplicaStats
-    from app.turns import InFlight
+    from app.inflight import InFlight
     from kvtransfer.load import with_busy_peers
 
     n = 1024

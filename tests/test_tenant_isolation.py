@@ -88,9 +88,11 @@ def test_another_api_key_sending_the_same_prompt_to_the_replica_holding_the_kv_r
 def drop_tenant_from_scope(monkeypatch: pytest.MonkeyPatch) -> None:
     """The directory scope without its tenant: one scope per model, so turns find every tenant's holds."""
     from actors.prefix_hash import Scope
-    from app import turns
+    from app import holds, turns
 
-    monkeypatch.setattr(turns, "Scope", lambda model, tenant: Scope(model, ""))
+    # Both places a turn's key is scoped: its lookup (the runner) and the hold it leaves (its record).
+    for module in (turns, holds):
+        monkeypatch.setattr(module, "Scope", lambda model, tenant: Scope(model, ""))
 
 
 def send_no_cache_salt(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,7 +112,8 @@ async def in_process_runner_send(app: ServedApp, session: str) -> Send:
 
     from actors.directory_mirror import DirectoryMirror
     from actors.replica_api import Sampling
-    from app.turns import Turn, TurnRunner
+    from app.turn_types import Turn
+    from app.turns import TurnRunner
     from kvtransfer.cost_model import CostModel
     from kvtransfer.kv_shape import KVShape
     from model_prep.store import model_path

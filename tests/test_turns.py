@@ -246,7 +246,8 @@ def test_a_turn_is_answered_at_its_last_token_and_the_engine_stream_is_still_rea
 
     from actors.directory_mirror import DirectoryMirror
     from actors.replica_api import GenerateDelta
-    from app.turns import Turn, TurnRunner
+    from app.turn_types import Turn
+    from app.turns import TurnRunner
     from kvtransfer.cost_model import CostModel
     from kvtransfer.planner import Mode
     from tests.conftest import DIRECTORY_BLOCK_SIZE
