@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from actors.prefix_hash import BlockHash, PrefixKey
 from actors.replica_api import ReplicaStats
-from kvtransfer.options import ReplicaView
+from kvtransfer.load import ReplicaView
 
 
 class InFlight:

@@ -25,8 +25,8 @@ from benchmarks.fleet_turns import FleetResult, LiveConversation, TurnInFlight, 
 from benchmarks.fleet_workloads import Conversation, Workload, conversations
 from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.cost_model import CostModel
-from kvtransfer.load import preferred_replica, with_busy_peers
-from kvtransfer.options import Mode, ReplicaView
+from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
+from kvtransfer.options import Mode
 from kvtransfer.planner import plan_turn, reads_hold
 from kvtransfer.policies import get_policy
 from kvtransfer.sim.block_cache import vllm_block_hashes

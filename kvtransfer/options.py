@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
-from kvtransfer.cost_model import CostModel, LoadView
+from kvtransfer.cost_model import CostModel
+from kvtransfer.load import ReplicaView
 from kvtransfer.types import HoldOffer
 
 
@@ -25,47 +26,6 @@ class Mode(StrEnum):
 # Of two options this close in cost, neither is clearly faster: an estimate is a fit with errors of a few
 # milliseconds (`fastest` lets affinity decide within it; the kvrelay policy leaves a turn's home only beyond it).
 STAY_MARGIN_MS = 5.0
-
-
-class PeerLoad(NamedTuple):
-    """A busy engine beside a replica on its node: the first tokens that replica's work would delay there."""
-
-    # Requests waiting there for their first token, and their prompt tokens still to compute.
-    waiting: int = 0
-    prefill_tokens: int = 0
-    # Requests per second sent there lately: how many arrive while the replica's work slows that engine.
-    arrival_rate: float = 0.0
-
-
-class ReplicaView(NamedTuple):
-    """A live replica as the planner sees it."""
-
-    replica_id: str
-    running: int = 0
-    waiting: int = 0
-    decode_tok_s: float | None = None
-    # Prompt tokens of requests known to be queued or prefilling there now (they run before a new turn).
-    prefill_tokens: int = 0
-    # Requests known to wait for their first token there (their tokens are in `prefill_tokens`).
-    prefilling: int = 0
-    # Other engines on the same node that are busy now: they share its CPUs.
-    peers: tuple[PeerLoad, ...] = ()
-    # Requests per second sent there lately by other conversations than the planned turn's: how many arrive while
-    # a new turn's prefill holds it.
-    arrival_rate: float = 0.0
-
-    @property
-    def busy_peers(self) -> int:
-        return len(self.peers)
-
-    @property
-    def load(self) -> LoadView:
-        return LoadView(self.running, self.waiting, self.decode_tok_s, self.prefill_tokens, self.busy_peers,
-                        self.replica_id, self.prefilling)
-
-    @property
-    def idle(self) -> bool:
-        return not (self.running or self.waiting or self.prefill_tokens or self.prefilling)
 
 
 class Option(NamedTuple):

@@ -24,7 +24,8 @@ from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 from kvtransfer.cost_model import CostModel
-from kvtransfer.options import Mode, Option, ReplicaView, contending_peers, fastest
+from kvtransfer.load import ReplicaView
+from kvtransfer.options import Mode, Option, contending_peers, fastest
 from kvtransfer.policies import DEFAULT_POLICY, PlacementPolicy, PolicyContext, get_policy
 from kvtransfer.types import HoldOffer, LookupResult
 
@@ -88,7 +89,7 @@ def _options(
         own_hold = match.hold if match is not None else None
         if own_hold is not None and own_hold.replica_id != replica.replica_id:
             own_hold = None
-        queue = cost.queue_ms(replica.load)
+        queue = cost.queue_ms(replica)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
         for reused in (cached, own) if own > cached else (cached,):
@@ -154,8 +155,9 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
         return target.arrival_rate / 1e3 * compute_ms**2 / 2 + stays
     occupancy = compute_ms + output_tokens * cost.decode_step_ms
     return stays + sum(
-        cost.contention_impact_ms(min(occupancy, cost.queued_prefill_ms(peer.prefill_tokens, peer.waiting)),
-                                  peer.waiting, target.replica_id)
+        cost.contention_impact_ms(
+            min(occupancy, cost.queued_prefill_ms(peer.prefill_tokens, peer.awaiting_first_token)),
+            peer.awaiting_first_token, target.replica_id)
         + cost.contention_impact_ms(occupancy / 2, peer.arrival_rate / 1e3 * occupancy, target.replica_id)
         for peer in target.peers
     )

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from kvtransfer.cost_model import CostModel
-from kvtransfer.options import Mode, Option, ReplicaView
+from kvtransfer.load import ReplicaView
+from kvtransfer.options import Mode, Option
 from kvtransfer.planner import plan_turn
 from kvtransfer.policies import PlacementPolicy, PolicyContext, base, get_policy, policy_names, register
 from kvtransfer.policies.base import without_pull

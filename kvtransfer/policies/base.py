@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import ClassVar, NamedTuple, TypeVar
 
 from kvtransfer.cost_model import CostModel
-from kvtransfer.options import Mode, Option, ReplicaView
+from kvtransfer.load import ReplicaView
+from kvtransfer.options import Mode, Option
 from kvtransfer.types import LookupResult
 
 # The policy a deployment runs unless its config or a request names another.
