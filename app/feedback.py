@@ -8,7 +8,6 @@ from collections.abc import Callable
 from actors.replica_api import GenerateDelta, ReplicaStats
 from app.inflight import InFlight
 from app.turn_types import Turn, TurnOutcome
-from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.cost_model import CostModel
 from kvtransfer.options import Mode
 from kvtransfer.planner import Plan, reads_hold
@@ -54,7 +53,7 @@ class Feedback:
                          force: tuple[Mode, str] | None) -> None:
         """The whole turn's lessons: its estimate's error and, for a turn a client sent, how long it decoded."""
         # The calibration sets its turns' output length (1 or 256 tokens): they say nothing of how long turns decode.
-        if self.observe_error(turn, plan, pull, outcome, force) and turn.tenant != CALIBRATION_TENANT:
+        if self.observe_error(turn, plan, pull, outcome, force) and not turn.calibration:
             self.cost.observe_output(outcome.completion_tokens)
 
     def observe_error(self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
@@ -65,7 +64,7 @@ class Feedback:
 
         The calibration's forced turns are real turns of each mode on idle or busy engines: they teach the error too,
         so an app's first turns are already corrected."""
-        planned = force is None or turn.tenant == CALIBRATION_TENANT
+        planned = force is None or turn.calibration
         if (planned and not outcome.migrations and not outcome.pull_failed and outcome.ttft_ms is not None
                 and (pull is not None or not reads_hold(plan))):
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)

@@ -85,7 +85,8 @@ class Ingress:
                                   self.policy, self._run)
         vocab = len(self.frontend.renderer.renderer.get_tokenizer())
         self._calibration = asyncio.get_running_loop().create_task(calibrate(
-            self.turn, self._prefill_replicas, self.config.pool.num_replicas, cost, vocab, self.max_model_len,
+            self._calibration_turn, self._prefill_replicas, self.config.pool.num_replicas, cost, vocab,
+            self.max_model_len,
         ))
         self.http = HttpApi(
             keys=keys, openai=self.openai, frontend=self.frontend, metrics=self.metrics, own_work=self.own_work,
@@ -143,6 +144,17 @@ class Ingress:
         """
         turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling).to_params(), tenant,
                     policy=requested_policy(policy, self.policy))
+        return await self._result(turn, force)
+
+    async def _calibration_turn(self, token_ids: list[int], sampling: dict[str, Any], force: tuple[str, str],
+                                tenant: str) -> TurnResult:
+        """One forced turn of the start-up calibration (`kvtransfer.calibration.calibrate`'s `run_turn`)."""
+        turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling).to_params(), tenant,
+                    policy=self.policy, calibration=True)
+        return await self._result(turn, force)
+
+    async def _result(self, turn: Turn, force: tuple[str, str] | None) -> TurnResult:
+        """Run `turn` (as (mode, replica) if forced) and collect its result."""
         forced = (Mode(force[0]), force[1]) if force else None
         started = time.monotonic()
         deltas, outcome = await collect(self._run(turn, forced))

@@ -68,6 +68,9 @@ class Turn:
     policy: PlacementPolicy = field(default_factory=lambda: get_policy(DEFAULT_POLICY))
     # vLLM's scheduling priority (lower runs first; engines refuse non-zero ones unless they schedule by priority).
     priority: int = 0
+    # A turn of the start-up calibration (kvtransfer/calibration.py): forced, yet it teaches the planner's estimate
+    # error; its output length (set by the calibration) says nothing of how long turns decode.
+    calibration: bool = False
     # The token ids hashed into blocks (`TurnRunner.key`): once per turn, not per plan and request.
     key: PrefixKey | None = field(default=None, init=False, repr=False, compare=False)
 

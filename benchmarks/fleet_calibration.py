@@ -34,7 +34,7 @@ def calibrate(fleet: Fleet) -> None:
         turns = [Turn(user_tokens=[], output_tokens=tokens(output), think_s=0)] + [
             Turn(user_tokens=tokens(32), output_tokens=tokens(1), think_s=0) for _ in range(2)]
         return fleet.new_conversation(Conversation(conv_id=f"calibration-{rng.random()}", tenant=CALIBRATION_TENANT,
-                                                   start_s=0, prefix_tokens=tokens(n), turns=turns))
+                                                   calibration=True, start_s=0, prefix_tokens=tokens(n), turns=turns))
 
     def forced(live: LiveConversation, mode: Mode, replica: str) -> None:
         finished: list[bool] = []

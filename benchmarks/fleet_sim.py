@@ -23,7 +23,6 @@ from actors.kv_events import ResidentTracker
 from actors.prefix_hash import PrefixKey, Scope
 from benchmarks.fleet_turns import FleetResult, LiveConversation, TurnInFlight, TurnRecord
 from benchmarks.fleet_workloads import Conversation, Workload, conversations
-from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
 from kvtransfer.options import Mode
@@ -230,7 +229,7 @@ class Fleet:
             return
         ttft = (self.now - t.start) * 1e3 + self.profile.request_overhead_ms
         plan, engine = t.plan, self.by_id[t.plan.replica_id]
-        planned = not t.forced or t.live.conv.tenant == CALIBRATION_TENANT
+        planned = not t.forced or t.live.conv.calibration
         if planned and not (reads_hold(plan) and r.pulled_tokens == 0):
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, ttft)
         if r.ran_alone and r.prefill_started_at is not None:
@@ -261,7 +260,7 @@ class Fleet:
             return
         if len(r.output_ids) > 1 and len(engine.running) == 0 and r.first_token_at is not None:
             self.cost.observe_decode((self.now - r.first_token_at) * 1e3 / (len(r.output_ids) - 1))
-        if t.live.conv.tenant != CALIBRATION_TENANT:
+        if not t.live.conv.calibration:
             self.cost.observe_output(r.generated)
         live = t.live
         key = live.key.extend(live.conv.turns[t.index].user_tokens)
