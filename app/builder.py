@@ -11,7 +11,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from actors.engine_replica import EngineReplica
-from actors.kv_directory.actor import KVDirectoryActor
+from actors.kv_directory import KVDirectoryActor
 from actors.vllm_engine import check_platform_limits
 from app.ingress import Ingress
 from configs.app import AppConfig, PoolConfig

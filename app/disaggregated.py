@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta
+from app.directory_mirror import DirectoryMirror
 from app.turn_types import Turn, TurnOutcome, continuation, whole_turn
 from app.turns import PREFILL_POOL, TurnRunner
 from kvtransfer.cost_model import CostModel

@@ -9,11 +9,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors.directory_mirror import DirectoryMirror
-from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, HoldRelease, ReplicaStats
+from app.directory_mirror import DirectoryMirror
 from app.turn_types import Turn
 from kvtransfer.planner import Plan
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.types import Hold, HoldOffer
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from starlette.routing import Route
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from actors.directory_mirror import DirectoryMirror
 from app.auth import ApiKeys
+from app.directory_mirror import DirectoryMirror
 from app.frontend import Frontend, OpenAIRequest, parse_request
 from app.metrics import DirectoryView, IngressMetrics
 from app.openai_turns import OpenAITurns, with_kvrelay

@@ -7,9 +7,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from actors.prefix_hash import BlockHash, PrefixKey
 from actors.replica_api import ReplicaStats
 from kvtransfer.load import ReplicaView
+from kvtransfer.prefix_key import BlockHash, PrefixKey
 
 
 class InFlight:

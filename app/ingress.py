@@ -20,9 +20,9 @@ from starlette.applications import Starlette
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta, InvalidRequestError, Sampling
 from app.auth import ApiKeys
+from app.directory_mirror import DirectoryMirror
 from app.disaggregated import DisaggregatedTurnRunner
 from app.frontend import Frontend, parse_request
 from app.http import RETRY_AFTER_S, HttpApi, OwnWork

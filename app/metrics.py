@@ -15,8 +15,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from actors.kv_directory.results import DirectoryStats
 from actors.replica_api import GenerateDelta
+from kvtransfer.directory_index.results import DirectoryStats
 from kvtransfer.options import Mode
 from kvtransfer.policies import policy_names
 

@@ -12,12 +12,12 @@ from ray.serve.exceptions import ReplicaUnavailableError
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from actors.prefix_hash import PrefixKey
 from actors.replica_api import GenerateDelta
 from app.responses import caused_by
 from kvtransfer.options import Mode
 from kvtransfer.planner import Plan
 from kvtransfer.policies import DEFAULT_POLICY, PlacementPolicy, get_policy
+from kvtransfer.prefix_key import PrefixKey
 
 
 class TurnLost(Exception):

@@ -22,9 +22,8 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
-from actors.directory_mirror import DirectoryMirror
-from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats
+from app.directory_mirror import DirectoryMirror
 from app.feedback import Feedback
 from app.holds import Holds
 from app.inflight import InFlight
@@ -35,6 +34,7 @@ from kvtransfer.cost_model import CostModel
 from kvtransfer.load import preferred_replica, with_busy_peers
 from kvtransfer.options import Mode
 from kvtransfer.planner import Plan, plan_turn, reads_hold
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.types import Hold, LookupResult
 
 logger = logging.getLogger(__name__)

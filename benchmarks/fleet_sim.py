@@ -18,16 +18,16 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
-from actors.kv_directory.index import KVDirectory
 from actors.kv_events import ResidentTracker
-from actors.prefix_hash import PrefixKey, Scope
 from benchmarks.fleet_turns import FleetResult, LiveConversation, TurnInFlight, TurnRecord
 from benchmarks.fleet_workloads import Conversation, Workload, conversations
 from kvtransfer.cost_model import CostModel
+from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
 from kvtransfer.options import Mode
 from kvtransfer.planner import plan_turn, reads_hold
 from kvtransfer.policies import get_policy
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as EngineHold
 from kvtransfer.sim.engine import SimEngine, SimRequest

@@ -515,10 +515,10 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
 
 
 def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
-    from actors.prefix_hash import PrefixKey, Scope
     from actors.replica_api import ReplicaStats
     from app.inflight import InFlight
     from kvtransfer.load import with_busy_peers
+    from kvtransfer.prefix_key import PrefixKey, Scope
 
     n = 1024
     # Prefills 1.3x slower beside a busy engine, a 58 ms decode step: today's quick multi-turn workload measured

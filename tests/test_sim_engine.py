@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from actors.kv_events import ResidentTracker
-from actors.prefix_hash import PrefixKey, Scope
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.sim.block_cache import PrefixCache, external_block_hash, vllm_block_hashes
 from kvtransfer.sim.engine import SimEngine, SimRequest
 from kvtransfer.sim.profile import EngineProfile, load_profile

@@ -87,8 +87,8 @@ def test_another_api_key_sending_the_same_prompt_to_the_replica_holding_the_kv_r
 
 def drop_tenant_from_scope(monkeypatch: pytest.MonkeyPatch) -> None:
     """The directory scope without its tenant: one scope per model, so turns find every tenant's holds."""
-    from actors.prefix_hash import Scope
     from app import holds, turns
+    from kvtransfer.prefix_key import Scope
 
     # Both places a turn's key is scoped: its lookup (the runner) and the hold it leaves (its record).
     for module in (turns, holds):
@@ -110,8 +110,8 @@ async def in_process_runner_send(app: ServedApp, session: str) -> Send:
     replace a piece of it. It plans with an uncalibrated cost model, to which idle replicas are exactly equal."""
     from ray import serve
 
-    from actors.directory_mirror import DirectoryMirror
     from actors.replica_api import Sampling
+    from app.directory_mirror import DirectoryMirror
     from app.turn_types import Turn
     from app.turns import TurnRunner
     from kvtransfer.cost_model import CostModel

@@ -244,8 +244,8 @@ def test_a_turn_is_answered_at_its_last_token_and_the_engine_stream_is_still_rea
     from ray import serve
     from vllm.sampling_params import SamplingParams
 
-    from actors.directory_mirror import DirectoryMirror
     from actors.replica_api import GenerateDelta
+    from app.directory_mirror import DirectoryMirror
     from app.turn_types import Turn
     from app.turns import TurnRunner
     from kvtransfer.cost_model import CostModel
