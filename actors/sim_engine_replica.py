@@ -343,6 +343,9 @@ class SimEngineReplica:
             self._reporter.stop()  # its last act deregisters this replica
         if getattr(self, "_publisher", None) is not None:
             self._publisher.shutdown()
+            for endpoint in events_endpoints(self.engine_id):  # ZMQ leaves its ipc socket files behind
+                with contextlib.suppress(OSError):
+                    os.unlink(endpoint.removeprefix("ipc://"))
         driver = getattr(self, "_driver", None)
         if driver is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed already
