@@ -190,7 +190,10 @@ class Ingress:
         directory_stats = await self.directory.stats.remote()
         plan_ms = sorted(self.runner.plan_ms)
         # Each replica's process and its vLLM engine processes, on the replica's node: what a supervisor checks.
-        processes = {i.replica_id: {"pid": i.pid, "engine_pids": i.engine_pids} for i in self.mirror.identities()}
+        # A simulated replica says how much slower than its modelled hardware it runs (`time_dilation`).
+        processes = {i.replica_id: {"pid": i.pid, "engine_pids": i.engine_pids}
+                     | ({"time_dilation": i.time_dilation} if i.time_dilation is not None else {})
+                     for i in self.mirror.identities()}
         return {
             "ingress": self.location,
             "counters": dict(self.runner.counters),

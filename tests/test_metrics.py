@@ -9,7 +9,8 @@ from actors.replica_api import GenerateDelta
 from app.metrics import DirectoryView, IngressMetrics
 from app.turn_types import TurnOutcome
 from kvtransfer.directory_index.results import DirectoryStats
-from kvtransfer.planner import Mode, Plan
+from kvtransfer.options import Mode
+from kvtransfer.planner import Plan
 
 KV_BYTES_PER_TOKEN = 1000
 
