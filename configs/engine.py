@@ -141,7 +141,8 @@ class EngineConfig(BaseModel):
     def _check_sim(self) -> None:
         known = sorted(p.stem for p in SIM_PROFILES_DIR.glob("*.json"))
         if self.kind == "vllm":
-            if {"sim_profile", "sim_dilation"} & self.model_fields_set:
+            # By value, not by what was set: a replica validates its pool's dumped config, every field set.
+            if self.sim_profile is not None or self.sim_dilation != 1.0:
                 raise ValueError("sim_profile and sim_dilation configure a simulated engine: set kind: sim, or drop "
                                  "them")
         elif self.sim_profile is None:

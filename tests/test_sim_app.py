@@ -50,6 +50,8 @@ def test_a_sim_engine_needs_a_known_profile_and_only_sim_engines_take_one() -> N
         EngineConfig(sim_profile="cpu-smollm2")
     with pytest.raises(ValidationError):
         EngineConfig(kind="sim", sim_profile="cpu-smollm2", sim_dilation=0)
+    # A replica validates its pool's config as dumped, every field set: a vLLM engine's passes as it is.
+    assert EngineConfig.model_validate(EngineConfig(model="tiny-llama").model_dump()).kind == "vllm"
 
 
 def test_eight_simulated_replicas_answer_a_conversation_with_a_pull(sim_app: ServedApp) -> None:
