@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import secrets
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -26,10 +25,9 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 )
 
 from actors.directory_reporter import DirectoryReporter
-from actors.engine_site import choose_site
+from actors.engine_site import choose_site, node_identity, replica_place
 from actors.engine_stats import EngineStats
 from actors.replica_api import (
-    AttentionGroupInfo,
     GenerateDelta,
     GenerateRequest,
     HoldRelease,
@@ -80,29 +78,6 @@ def token_logprobs(token_ids: Sequence[int], logprobs: Any, top: int | None) -> 
     return GenerateLogProbs(content=content)
 
 
-def _replica_context() -> tuple[str, int, str]:
-    """(replica id, local rank on its node, deployment name) inside Serve; a fresh id outside it."""
-    try:
-        from ray import serve
-
-        ctx = serve.get_replica_context()
-        return ctx.replica_id.unique_id, ctx.rank.local_rank, ctx.deployment
-    except Exception:  # not running as a Serve replica (a test or benchmark constructing it directly)
-        return f"local-{uuid.uuid4().hex[:8]}", 0, "engines"
-
-
-def _node_identity() -> tuple[str, str]:
-    """(node id, node IP) from Ray when available, else this host on loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return socket.gethostname(), "127.0.0.1"
-
-
 class EngineReplica:
     """One vLLM engine. Methods are coroutines run on the replica's single event loop."""
 
@@ -119,8 +94,9 @@ class EngineReplica:
             logging.getLogger("vllm").setLevel(log_level)
         self.config = EngineConfig.model_validate(config)
         self._hold_key = (hold_key or secrets.token_hex(16)).encode()
-        self.replica_id, local_rank, self.pool = _replica_context()
-        self.node_id, node_ip = _node_identity()
+        place = replica_place()
+        self.replica_id, local_rank, self.pool = place.replica_id, place.local_rank, place.deployment
+        self.node_id, node_ip = node_identity()
         self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
 
         from vllm.platforms import current_platform
@@ -172,14 +148,7 @@ class EngineReplica:
                 "shared layers skip prompt positions, so prompt logprobs would be wrong); drop "
                 "prompt_logprobs or use a deployment with kv_sharing_fast_prefill=false"
             )
-        if request.prompt_token_ids is not None:
-            total = len(request.prompt_token_ids) + (params.max_tokens or 0)
-            if total > self.config.max_model_len:
-                raise InvalidRequestError(
-                    f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                    f"exceeds this model's context of {self.config.max_model_len} tokens; shorten the "
-                    "prompt or lower max_tokens"
-                )
+        request.check_context(self.config.max_model_len)
         params.output_kind = RequestOutputKind.DELTA
         if request.skip_prefix_cache:
             params.skip_reading_prefix_cache = True
@@ -356,11 +325,6 @@ class EngineReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it."""
         return self.load.autoscaling()
-
-    async def attention_groups(self) -> list[AttentionGroupInfo]:
-        """Attention groups of the live worker (rank 0), read through vLLM's collective RPC."""
-        per_worker = await self.engine.collective_rpc("kvrelay_attention_groups")
-        return [AttentionGroupInfo(**group) for group in per_worker[0]]
 
     async def metrics(self, probe: dict[str, Any]) -> str:
         """The process's Prometheus metrics in text format, vLLM's `vllm:*` among them (AsyncLLM records them here).

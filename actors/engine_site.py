@@ -1,5 +1,5 @@
-"""Where a replica's engine runs: its cores, its NIXL side channel, its KV event endpoints, and the environment
-its processes inherit while they are spawned."""
+"""Where a replica and its engine run: the replica's place in Serve and Ray, its engine's cores, NIXL side channel and
+KV event endpoints, and the environment the engine's processes inherit while they are spawned."""
 
 from __future__ import annotations
 
@@ -8,15 +8,50 @@ import os
 import random
 import socket
 import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from configs.engine import EngineConfig
 
 # ipc socket files of the engines' KV event publishers.
 _EVENTS_DIR = tempfile.gettempdir()
 _QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+
+class ReplicaPlace(NamedTuple):
+    """A replica's place in Serve: its id, its ranks in its deployment, the deployment and the app."""
+
+    replica_id: str
+    rank: int  # across all nodes
+    local_rank: int  # on its node
+    deployment: str
+    app_name: str | None
+
+
+def replica_place() -> ReplicaPlace:
+    """This replica's place inside Serve; a fresh id, rank 0 and no app outside it."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return ReplicaPlace(ctx.replica_id.unique_id, ctx.rank.rank, ctx.rank.local_rank, ctx.deployment, ctx.app_name)
+    except Exception:  # not running as a Serve replica (a test or benchmark constructing it directly)
+        return ReplicaPlace(f"local-{uuid.uuid4().hex[:8]}", 0, 0, "engines", None)
+
+
+def node_identity() -> tuple[str, str]:
+    """(node id, node IP) from Ray when available, else this host on loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return socket.gethostname(), "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -83,13 +118,14 @@ def choose_site(
         cpu_cores=choose_cores(config, local_rank) if is_cpu else None,
         nixl_host=nixl_host,
         nixl_port=(nixl.side_channel_port or _free_port(nixl_host)) if nixl_host else None,
-        # The forwarder runs in the replica's process: the engine publishes on this host's ipc sockets.
-        events_endpoints=(
-            (f"ipc://{_EVENTS_DIR}/{engine_id}.pub", f"ipc://{_EVENTS_DIR}/{engine_id}.replay")
-            if report_events and config.enable_prefix_caching
-            else None
-        ),
+        events_endpoints=events_endpoints(engine_id) if report_events and config.enable_prefix_caching else None,
     )
+
+
+def events_endpoints(engine_id: str) -> tuple[str, str]:
+    """(publish, replay) ZMQ endpoints of an engine's KV events: ipc sockets on this host, where the replica's
+    forwarder runs."""
+    return f"ipc://{_EVENTS_DIR}/{engine_id}.pub", f"ipc://{_EVENTS_DIR}/{engine_id}.replay"
 
 
 # Where side-channel ports are drawn from: above Ray's worker ports (10002-19999 by default), below the kernel's

@@ -1,5 +1,6 @@
-"""A replica's load and measured speed: vLLM's per-step scheduler stats, the replica's own request counts, token
-rates and recent times to first token, reported as `ReplicaStats` (directory, planner) and autoscaling figures."""
+"""A replica's load and measured speed: its engine's per-step figures (vLLM's scheduler stats, or a modelled
+engine's), the replica's own request counts, token rates and recent times to first token, reported as `ReplicaStats`
+(directory, planner) and autoscaling figures."""
 
 from __future__ import annotations
 
@@ -25,14 +26,18 @@ class RateMeter:
 
 
 class EngineStats:
-    """What one replica knows of its engine's load. Updated on the replica's event loop (requests) and by vLLM's
-    stat logger; the directory reporter's thread only reads it (`replica_stats`)."""
+    """What one replica knows of its engine's load. Updated on the replica's event loop (requests) and by the engine's
+    steps (`observe_engine`; vLLM's stat logger calls it); the directory reporter's thread only reads it
+    (`replica_stats`)."""
 
     TTFT_WINDOW_S = 10.0
 
     def __init__(self) -> None:
-        self._scheduler: Any = None  # vLLM's latest SchedulerStats
-        self._prefix_cache: Any = None  # vLLM's CachingMetrics, made with the stat logger
+        # As of the engine's latest step: requests waiting to be scheduled, the KV cache's share in use (0-1), and the
+        # prefix cache's hit rate over recent requests.
+        self._waiting = 0
+        self._kv_cache_usage = 0.0
+        self._hit_rate = 0.0
         self._prefill_rate = RateMeter()
         self._decode_rate = RateMeter()
         self._finished = 0
@@ -47,7 +52,7 @@ class EngineStats:
         from vllm.v1.metrics.stats import CachingMetrics
 
         stats = self
-        stats._prefix_cache = CachingMetrics()
+        prefix_cache = CachingMetrics()
 
         class _ReplicaStatLogger(StatLoggerBase):
             """Keeps the engine's latest scheduler stats on the replica (vLLM calls it every step)."""
@@ -57,13 +62,19 @@ class EngineStats:
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
                 if scheduler_stats is not None:
-                    stats._scheduler = scheduler_stats
-                    stats._prefix_cache.observe(scheduler_stats.prefix_cache_stats)
+                    prefix_cache.observe(scheduler_stats.prefix_cache_stats)
+                    stats.observe_engine(scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                                         scheduler_stats.kv_cache_usage, prefix_cache.hit_rate)
 
             def log_engine_initialized(self) -> None:
                 pass
 
         return _ReplicaStatLogger(vllm_config, engine_index)
+
+    def observe_engine(self, waiting: int, kv_cache_usage: float, hit_rate: float) -> None:
+        """The engine's figures after a step: requests waiting to be scheduled, KV cache in use (0-1), prefix cache hit
+        rate over recent requests."""
+        self._waiting, self._kv_cache_usage, self._hit_rate = waiting, kv_cache_usage, hit_rate
 
     def request_started(self) -> tuple[bool, int]:
         """Count a request in; returns whether it has the engine to itself, and its start number (see `alone`)."""
@@ -83,17 +94,28 @@ class EngineStats:
         self, out: Any, started: float, first_token_at: float | None, finished_at: float, completion: int,
         alone: bool,
     ) -> float | None:
-        """Feed a finished request's prefill and decode timings to the rate meters; returns prefill seconds."""
+        """Feed a finished vLLM request's (`out`) prefill and decode timings to the rate meters; returns prefill
+        seconds."""
+        prefill_s = None
+        if first_token_at is not None:
+            metrics = out.metrics
+            if metrics is not None and metrics.scheduled_ts and metrics.first_token_ts:
+                prefill_s = metrics.first_token_ts - metrics.scheduled_ts
+            else:
+                prefill_s = first_token_at - started
+        computed = len(out.prompt_token_ids or ()) - (out.num_cached_tokens or 0)
+        return self.observe_request(started, first_token_at, finished_at, prefill_s, computed, completion, alone)
+
+    def observe_request(
+        self, started: float, first_token_at: float | None, finished_at: float, prefill_s: float | None,
+        computed: int, completion: int, alone: bool,
+    ) -> float | None:
+        """Feed a finished request's timings (time.monotonic() instants; `computed` prompt tokens in `prefill_s`) to
+        the rate meters; returns `prefill_s`."""
         self._finished += 1
-        if first_token_at is None:
+        if first_token_at is None or prefill_s is None:
             return None
         self._recent_ttft.append((finished_at, (first_token_at - started) * 1e3))
-        metrics = out.metrics
-        if metrics is not None and metrics.scheduled_ts and metrics.first_token_ts:
-            prefill_s = metrics.first_token_ts - metrics.scheduled_ts
-        else:
-            prefill_s = first_token_at - started
-        computed = len(out.prompt_token_ids or ()) - (out.num_cached_tokens or 0)
         # Very short prefills measure scheduling overhead, not the model's speed.
         if computed >= 32 and alone:
             self._prefill_rate.observe(computed, prefill_s)
@@ -102,10 +124,9 @@ class EngineStats:
         return prefill_s
 
     def replica_stats(self, replica_id: str, pool: str, node_id: str) -> ReplicaStats:
-        s = self._scheduler
-        # The scheduler's counts are as of its last step, which may be long ago on an idle engine; the
+        # The engine's counts are as of its last step, which may be long ago on an idle engine; the
         # replica's own count of requests in flight is exact, so it bounds both.
-        waiting = min((s.num_waiting_reqs + s.num_skipped_waiting_reqs) if s else 0, self.ongoing)
+        waiting = min(self._waiting, self.ongoing)
         return ReplicaStats(
             replica_id=replica_id,
             pool=pool,
@@ -113,8 +134,8 @@ class EngineStats:
             at=time.time(),
             running=self.ongoing - waiting,
             waiting=waiting,
-            kv_cache_usage=s.kv_cache_usage if s else 0.0,
-            prefix_cache_hit_rate=self._prefix_cache.hit_rate,
+            kv_cache_usage=self._kv_cache_usage,
+            prefix_cache_hit_rate=self._hit_rate,
             prefill_tok_s=self._prefill_rate.value,
             decode_tok_s=self._decode_rate.value,
             requests_finished=self._finished,
@@ -125,9 +146,8 @@ class EngineStats:
         ttft_ms: the 90th percentile time to first token of requests finished in the last TTFT_WINDOW_S (0 if none)."""
         now = time.monotonic()
         recent = sorted(ms for at, ms in self._recent_ttft if now - at <= self.TTFT_WINDOW_S)
-        s = self._scheduler
         return {
             ONGOING_REQUESTS: float(self.ongoing),
-            KV_CACHE_USAGE: float(s.kv_cache_usage) if s else 0.0,
+            KV_CACHE_USAGE: float(self._kv_cache_usage),
             TTFT_MS: recent[int(0.9 * (len(recent) - 1))] if recent else 0.0,
         }

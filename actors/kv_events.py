@@ -16,8 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
-from actors.kv_directory.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
-from actors.prefix_hash import BlockHash, Scope, chain_hashes, scope_seed
+from kvtransfer.directory_index.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
+from kvtransfer.prefix_key import BlockHash, Scope, chain_hashes, scope_seed
 
 logger = logging.getLogger(__name__)
 

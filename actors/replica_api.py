@@ -86,6 +86,17 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt_token_ids is empty")
         return self
 
+    def check_context(self, max_model_len: int) -> None:
+        """Raise InvalidRequestError if the prompt's token ids plus `max_tokens` exceed `max_model_len`."""
+        if self.prompt_token_ids is None:
+            return
+        max_tokens = self.params.max_tokens
+        if len(self.prompt_token_ids) + (max_tokens or 0) > max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(self.prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
+                f"exceeds this model's context of {max_model_len} tokens; shorten the prompt or lower max_tokens"
+            )
+
 
 class HoldRelease(BaseModel):
     """Free another replica's hold early: the receiving engine tells the holder over NIXL that it will not read it.
@@ -146,6 +157,8 @@ class ReplicaIdentity(BaseModel):
     model: str
     fast_prefill: bool
     block_size: int
+    # A simulated replica's real seconds per modelled second (`engine.sim_dilation`); None for a real engine.
+    time_dilation: float | None = None
 
 
 class ReplicaStats(BaseModel):
@@ -165,11 +178,3 @@ class ReplicaStats(BaseModel):
     prefill_tok_s: float | None
     decode_tok_s: float | None
     requests_finished: int
-
-
-class AttentionGroupInfo(BaseModel):
-    """One attention group of one KV cache group, as the live worker built it."""
-
-    kv_cache_group: int
-    backend: str
-    layer_names: list[str]

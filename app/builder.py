@@ -11,10 +11,12 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from actors.engine_replica import EngineReplica
-from actors.kv_directory.actor import KVDirectoryActor
+from actors.kv_directory import KVDirectoryActor
+from actors.sim_engine_replica import SimEngineReplica
 from actors.vllm_engine import check_platform_limits
 from app.ingress import Ingress
 from configs.app import AppConfig, PoolConfig
+from kvtransfer.policies import get_policy
 
 ROUTER_CLASS = "actors.replica_router:TargetReplicaRouter"
 POLICY_CLASS = "app.autoscaling:EngineAutoscalingPolicy"
@@ -66,12 +68,13 @@ def replica_actor_options(pool: PoolConfig) -> dict[str, Any]:
 def engine_deployment(
     name: str, pool: PoolConfig, directory: Application, config: AppConfig, hold_key: str
 ) -> Application:
-    """A deployment of identical engine replicas, routed to the replica each plan names; `hold_key` seals the holds
-    they export and checks those they read (one key per app)."""
+    """A deployment of identical engine replicas (vLLM engines, or modelled ones for `engine.kind: sim`), routed to the
+    replica each plan names; `hold_key` seals the holds they export and checks those they read (one key per app)."""
+    replica_class = SimEngineReplica if pool.engine.kind == "sim" else EngineReplica
     scaling = autoscaling_config(pool)
     size: dict[str, Any] = {"num_replicas": pool.num_replicas} if scaling is None else {"autoscaling_config": scaling}
     deployment = serve.deployment(
-        EngineReplica,
+        replica_class,
         name=name,
         **size,
         max_ongoing_requests=pool.max_ongoing_requests,
@@ -109,7 +112,7 @@ def check_user_model(pool: PoolConfig) -> None:
     """Refuse a user's own model this platform's attention cannot run, before any actor starts (presets are
     checked when they are defined)."""
     facts = pool.engine.facts
-    if facts.path is not None:
+    if facts.path is not None and pool.engine.kind == "vllm":
         from vllm.platforms import current_platform
 
         check_platform_limits(pool.engine, Path(facts.path), current_platform.device_type)
@@ -118,6 +121,7 @@ def check_user_model(pool: PoolConfig) -> None:
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Serve application builder: `import_path: app.builder:build_app` with `args:` an AppConfig."""
     config = AppConfig.model_validate(args or {})
+    get_policy(config.policy)  # a policy name nothing registered is refused here, before any actor starts
     for pool in (config.pool, config.decode_pool):
         if pool is not None:
             check_user_model(pool)

@@ -8,11 +8,13 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from actors.directory_mirror import DirectoryMirror
 from actors.replica_api import GenerateDelta
-from app.turns import PREFILL_POOL, Turn, TurnOutcome, TurnRunner, continuation, whole_turn
+from app.directory_mirror import DirectoryMirror
+from app.turn_types import Turn, TurnOutcome, continuation, whole_turn
+from app.turns import PREFILL_POOL, TurnRunner
 from kvtransfer.cost_model import CostModel
-from kvtransfer.planner import Mode, Plan
+from kvtransfer.options import Mode
+from kvtransfer.planner import Plan
 from kvtransfer.types import Hold
 
 
@@ -78,14 +80,14 @@ class DisaggregatedTurnRunner(TurnRunner):
                 yield delta
             return
         # The plan estimated P's time to its token (where the history came from decides it): learn its error.
-        self._observe_error(turn, plan, pull, outcome, force)
+        self.feedback.observe_error(turn, plan, pull, outcome, force)
         first = [t for d in prefilled for t in d.token_ids]
         reused = prefilled[-1].num_cached_tokens
         # P's token is the turn's first: the client gets it now, not after the handoff. The turn ends there if P
         # stopped (end of sequence, a stop token) or the budget was one token.
         rest = continuation(turn, first) if prefilled[-1].finish_reason == "length" else None
         if rest is None:
-            self._record_hold(turn, turn.token_ids + first, prefilled[-1])  # P's KV is the next turn's to pull
+            self.holds.record(turn, turn.token_ids + first, prefilled[-1])  # P's KV is the next turn's to pull
             for delta in prefilled:
                 yield delta
             return

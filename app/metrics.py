@@ -15,10 +15,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from actors.kv_directory.results import DirectoryStats
 from actors.replica_api import GenerateDelta
-from configs.app import Policy
-from kvtransfer.planner import Mode
+from kvtransfer.directory_index.results import DirectoryStats
+from kvtransfer.options import Mode
+from kvtransfer.policies import policy_names
 
 VLLM_PREFIX = "vllm:"
 # kvrelay_errors' kinds: a client's mistake (4xx), a failure of ours (5xx), a full ingress or engine queue (429).
@@ -92,8 +92,8 @@ class IngressMetrics:
         for mode in Mode:
             for metric in (self.reused_tokens, self.ttft, self.estimated_ttft, self.measured_ttft, self.estimate_error):
                 metric.labels(mode=mode.value)
-            for policy in Policy:
-                self.plans.labels(mode=mode.value, policy=policy.value)
+            for policy in policy_names():
+                self.plans.labels(mode=mode.value, policy=policy)
         for kind in ERROR_KINDS:
             self.errors.labels(kind=kind)
 

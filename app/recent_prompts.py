@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from actors.prefix_hash import BlockHash, PrefixKey
+from kvtransfer.prefix_key import BlockHash, PrefixKey
 
 # Long enough for a person to read a reply and write the next message; conversations idle for longer count as new.
 RECENT_PROMPT_TTL_S = 600.0

@@ -19,27 +19,23 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import ReplicaUnavailableError
-from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.exceptions import EngineDeadError
-
-from actors.directory_mirror import DirectoryMirror
-from actors.prefix_hash import BlockHash, PrefixKey, Scope
-from actors.replica_api import GenerateDelta, GenerateRequest, HoldRelease, ReplicaStats
+from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats
+from app.directory_mirror import DirectoryMirror
+from app.feedback import Feedback
+from app.holds import Holds
+from app.inflight import InFlight
 from app.recent_prompts import RecentPrompts
-from app.responses import caused_by
-from configs.app import Policy
-from kvtransfer.calibration import CALIBRATION_TENANT
+from app.turn_types import Turn, TurnLost, TurnOutcome, continuation, lost_replica, whole_turn
 from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import preferred_replica, with_busy_peers
-from kvtransfer.planner import Mode, Plan, ReplicaView, plan_turn, reads_hold
-from kvtransfer.types import Hold, HoldOffer, LookupResult
+from kvtransfer.options import Mode
+from kvtransfer.planner import Plan, plan_turn, reads_hold
+from kvtransfer.prefix_key import PrefixKey, Scope
+from kvtransfer.types import Hold, LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -51,32 +47,6 @@ PREFILL_POOL = "engines"
 AFTER_RESPONSE_S = 0.005
 
 
-class TurnLost(Exception):
-    """Every replica a turn ran on died before its last token, `max_migrations` times over. The message is safe to
-    show a client: it names no replica, actor or process."""
-
-
-def lost_replica(exc: BaseException) -> bool:
-    """Whether a failed engine call means its replica (or the engine inside it) is gone: the turn may continue
-    elsewhere. Any other failure is not retried."""
-    return caused_by(exc, RayActorError, ReplicaUnavailableError, EngineDeadError) is not None
-
-
-def continuation(turn: Turn, produced: list[int]) -> Turn | None:
-    """The rest of `turn` after `produced` tokens were streamed: their prompt with those tokens appended, sampling
-    the remaining budget (prompt logprobs already went out with the first tokens). None if nothing is left."""
-    if not produced:
-        return turn
-    params = turn.params.clone()
-    if params.max_tokens is not None:
-        params.max_tokens -= len(produced)
-        if params.max_tokens < 1:
-            return None
-    params.min_tokens = max(0, params.min_tokens - len(produced))
-    params.prompt_logprobs = None
-    return replace(turn, token_ids=turn.token_ids + produced, params=params)
-
-
 async def drained(stream: AsyncIterator[GenerateDelta], request_id: str) -> None:
     """Read an engine stream to its end after its last delta, so that Serve closes the request as it would have."""
     try:
@@ -85,169 +55,6 @@ async def drained(stream: AsyncIterator[GenerateDelta], request_id: str) -> None
     except Exception as exc:  # the turn is answered already; a replica lost now costs it nothing
         logger.debug("the engine stream of %s ended with %r after its last delta", request_id, exc)
 
-
-def whole_turn(last: GenerateDelta, turn: Turn, streamed: int, cached_tokens: int) -> GenerateDelta:
-    """The last delta of the rest of `turn` (after `streamed` tokens came from elsewhere), its totals counted for
-    the whole turn, `cached_tokens` of whose prompt were not computed."""
-    return last.model_copy(update={"prompt_tokens": len(turn.token_ids), "num_cached_tokens": cached_tokens,
-                                   "completion_tokens": streamed + last.completion_tokens})
-
-
-@dataclass
-class Turn:
-    """One turn: the whole conversation so far as token ids, and how to sample the reply."""
-
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    # Whose KV this is (an API key or cache salt); turns of different tenants never share KV.
-    tenant: str = ""
-    # A placement hint only (X-Session-Id): equal options go to the replica that id usually maps to.
-    session_id: str | None = None
-    # How the turn is placed; the baselines exist so benchmarks can compare on the same engines.
-    policy: Policy = Policy.KVRELAY
-    # vLLM's scheduling priority (lower runs first; engines refuse non-zero ones unless they schedule by priority).
-    priority: int = 0
-    # The token ids hashed into blocks (`TurnRunner.key`): once per turn, not per plan and request.
-    key: PrefixKey | None = field(default=None, init=False, repr=False, compare=False)
-
-
-@dataclass
-class TurnOutcome:
-    """What happened, for the response's `kvrelay` object, metrics and the caller's logs."""
-
-    plan: Plan
-    replica_id: str = ""
-    reused_tokens: int = 0
-    ttft_ms: float | None = None
-    completion_tokens: int = 0
-    pull_failed: bool = False
-    # The reading engine's verdict on the pull's KV, where it checked one ("verified", "refused: ..."; vLLM's NIXL
-    # connector as kvrelay extends it: kvtransfer/throttled_nixl.py).
-    read_check: str | None = None
-    # How often the turn moved to another replica because the one serving it died (`plan` is the last one's).
-    migrations: int = 0
-    counters: Counter = field(default_factory=Counter)
-    # This process's clock (time.perf_counter) when the first engine request was made and when the last delta came:
-    # what the ingress spends outside them is its own work (`Ingress.stats`, "ingress_own_ms").
-    engine_called_at: float | None = None
-    last_delta_at: float | None = None
-
-    def public(self) -> dict[str, Any]:
-        reason = self.plan.reason + ("; the pull failed, recomputed" if self.pull_failed else "")
-        if self.migrations:
-            reason += f"; continued on another replica after {self.migrations} replica failure(s)"
-        elif self.replica_id and self.plan.replica_id and self.replica_id != self.plan.replica_id:
-            # The replica router sends a turn elsewhere when its target has left Serve's set (it died or drains).
-            reason += f"; planned for {self.plan.replica_id}, which Serve no longer routes to: ran here instead"
-        return {
-            "mode": self.plan.mode.value if not self.pull_failed else Mode.RECOMPUTE.value,
-            "replica": self.replica_id or self.plan.replica_id,
-            "holder": self.plan.holder,
-            "reused_tokens": self.reused_tokens,
-            "estimates_ms": self.plan.estimates_ms,
-            "reason": reason,
-            "ttft_ms": round(self.ttft_ms, 2) if self.ttft_ms is not None else None,
-        }
-
-
-class InFlight:
-    """This ingress's own requests per replica, reconciled with the replicas' heartbeats.
-
-    A heartbeat is up to half a second old: it still counts requests that have ended since, and misses those
-    sent since. This keeps each own request's start and end (wall clock, the heartbeat's clock too) so a view
-    counts what the heartbeat saw of others, plus what this ingress has in flight now. Not thread-safe.
-    """
-
-    RETAIN_S = 5.0  # ended requests are kept this long, longer than any heartbeat is old
-    RATE_WINDOW_S = 10.0  # arrival rates count the requests sent this long ago at most
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
-        # replica -> request id -> [started_at, ended_at or None, prompt tokens still to prefill or None]
-        self._requests: dict[str, dict[str, list]] = {}
-        # replica -> (start time, where its prompt ended: `PrefixKey.prompt_end`) of requests within the rate window
-        self._arrivals: dict[str, deque[tuple[float, BlockHash | None]]] = {}
-
-    def started(self, replica_id: str, request_id: str, new_tokens: int, prompt_end: BlockHash | None = None) -> None:
-        now = self._clock()
-        self._requests.setdefault(replica_id, {})[request_id] = [now, None, new_tokens]
-        self._arrivals.setdefault(replica_id, deque()).append((now, prompt_end))
-
-    def now(self) -> float:
-        return self._clock()
-
-    def arrival_rate(self, replica_id: str, conversation: PrefixKey | None = None) -> float:
-        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S, not counting the
-        earlier turns of `conversation` (a turn's prompt): the traffic a placement of its next turn would slow is
-        the other conversations'. Counted with its own, a conversation living on the quieter of two busy engines
-        saw its own turns there as traffic its stay elsewhere would slow, and two engines holding two conversations
-        each priced staying and moving alike: both stayed busy side by side for the rest of those conversations."""
-        arrivals = self._arrivals.get(replica_id)
-        if not arrivals:
-            return 0.0
-        while arrivals and arrivals[0][0] < self._clock() - self.RATE_WINDOW_S:
-            arrivals.popleft()
-        count = len(arrivals)
-        if conversation is not None:
-            count -= sum(1 for _, end in arrivals if end is not None and conversation.has_block(end))
-        return count / self.RATE_WINDOW_S
-
-    def busy_share(self, replica_id: str, since: float, until: float) -> float:
-        """The share of [since, until] (this clock) during which this ingress had a request in flight on the
-        replica; ended requests are kept RETAIN_S, so `since` should be more recent than that."""
-        if until <= since:
-            return 0.0
-        spans = sorted((max(start, since), min(until, ended if ended is not None else until))
-                       for start, ended, _ in self._requests.get(replica_id, {}).values())
-        covered, reached = 0.0, since
-        for start, end in spans:
-            start = max(start, reached)
-            if end > start:
-                covered += end - start
-                reached = end
-        return covered / (until - since)
-
-    def moved(self, from_replica: str, to_replica: str, request_id: str) -> None:
-        """The request runs on `to_replica`, not where it was accounted (Serve chose: a P/D decode stage, or a
-        target Serve no longer routes to): count it there from now on, so the replica's heartbeats are reconciled
-        with it and its end is seen."""
-        entry = self._requests.get(from_replica, {}).pop(request_id, None)
-        if entry is not None:
-            self._requests.setdefault(to_replica, {})[request_id] = entry
-
-    def first_token(self, replica_id: str, request_id: str) -> None:
-        entry = self._requests.get(replica_id, {}).get(request_id)
-        if entry is not None:
-            entry[2] = None
-
-    def ended(self, replica_id: str, request_id: str) -> None:
-        now = self._clock()
-        mine = self._requests.get(replica_id, {})
-        if request_id in mine:
-            mine[request_id][1] = now
-        for rid in [rid for rid, (_, ended, _) in mine.items() if ended is not None and now - ended > self.RETAIN_S]:
-            del mine[rid]
-
-    def view(self, stats: ReplicaStats, conversation: PrefixKey | None = None) -> ReplicaView:
-        """The planner's view of a replica for a turn whose prompt is `conversation`: others' requests as of its
-        heartbeat, and this ingress's now; its arrival rate without the conversation's own turns."""
-        mine = self._requests.get(stats.replica_id, {}).values()
-        seen_by_heartbeat = sum(
-            1 for started, ended, _ in mine if started <= stats.at and (ended is None or ended > stats.at)
-        )
-        live = [(started, pending) for started, ended, pending in mine if ended is None]
-        others = max(0, stats.running + stats.waiting - seen_by_heartbeat)
-        prefilling = [pending for _, pending in live if pending is not None]
-        return ReplicaView(
-            stats.replica_id,
-            running=others + len(live) - len(prefilling),
-            waiting=0,
-            decode_tok_s=stats.decode_tok_s,
-            prefill_tokens=sum(prefilling),
-            prefilling=len(prefilling),
-            arrival_rate=self.arrival_rate(stats.replica_id, conversation),
-        )
 
 
 class TurnRunner:
@@ -273,6 +80,9 @@ class TurnRunner:
         self.counters: Counter = Counter(pulls_verified=0, pulls_refused=0)  # shown in stats from the start
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
+        self.holds = Holds(directory, engines, self.replicas, self.counters, model, block_size, hold_ttl_s,
+                           release_pool=PREFILL_POOL, record_after_s=AFTER_RESPONSE_S)
+        self.feedback = Feedback(cost, self.inflight, self.replicas)
         self.recent_prompts = RecentPrompts()
         self._background: set[asyncio.Task] = set()  # work after turns, in flight (asyncio keeps weak refs only)
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
@@ -366,7 +176,7 @@ class TurnRunner:
                 outcome.plan, outcome.pull_failed = plan, False
             self.counters[f"plans_{plan.mode.value}"] += 1
             try:
-                pull = await self._take_hold(rest, plan) if reads_hold(plan) else None
+                pull = await self.holds.take(rest, plan) if reads_hold(plan) else None
                 sent_before = len(rest.token_ids) - len(turn.token_ids)  # streamed by replicas that died
                 async for delta in self._execute(rest, plan, pull, outcome, started, force):
                     if delta.finished and sent_before:
@@ -407,15 +217,6 @@ class TurnRunner:
         other replica can release it either): under load they filled the cache and stalled every new request."""
         return turn.policy.pulls and len(self.replicas()) > 1
 
-    async def _take_hold(self, turn: Turn, plan: Plan) -> Hold | None:
-        """The planned hold, taken from the directory; None if it is gone (another turn took it, it expired)."""
-        hold = await self.directory.consume_hold(plan.hold.hold_id)
-        if hold is not None and hold.num_tokens <= len(turn.token_ids) - 1:
-            return hold
-        # Raced with another turn or expired in between: compute on the same target instead.
-        self.counters["holds_gone"] += 1
-        return None
-
     async def _execute(
         self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,
         force: tuple[Mode, str] | None,
@@ -430,28 +231,7 @@ class TurnRunner:
                                              outcome, started):
                 yield delta
         else:
-            self._after_response(self._learn_outcome(turn, plan, pull, outcome, force))
-
-    async def _learn_outcome(self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
-                             force: tuple[Mode, str] | None) -> None:
-        # The calibration sets its turns' output length (1 or 256 tokens): they say nothing of how long turns decode.
-        if self._observe_error(turn, plan, pull, outcome, force) and turn.tenant != CALIBRATION_TENANT:
-            self.cost.observe_output(outcome.completion_tokens)  # how long turns decode
-
-    def _observe_error(self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
-                       force: tuple[Mode, str] | None) -> bool:
-        """If the turn's first stage ran as planned (no failed or skipped read, not moved, and not forced unless the
-        start-up calibration forced it), teach the planner how far off its estimate of that stage's time to first
-        token was; returns whether it did.
-
-        The calibration's forced turns are real turns of each mode on idle or busy engines: they teach the error too,
-        so an app's first turns are already corrected."""
-        planned = force is None or turn.tenant == CALIBRATION_TENANT
-        if (planned and not outcome.migrations and not outcome.pull_failed and outcome.ttft_ms is not None
-                and (pull is not None or not reads_hold(plan))):
-            self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
-            return True
-        return False
+            self._after_response(self.feedback.learn_turn(turn, plan, pull, outcome, force))
 
     def _request(
         self, turn: Turn, plan: Plan, stage: str, pull: Hold | None = None, skip_cache: bool = False,
@@ -527,12 +307,12 @@ class TurnRunner:
                 if delta.token_ids and not output:
                     self.inflight.first_token(where, request.request_id)
                     if prefills:  # only a prefilling request's timings teach the cost model
-                        busy_peers = self._busy_peers_since(where, sent_at)
+                        busy_peers = self.feedback.busy_peers_since(where, sent_at)
                     if outcome.ttft_ms is None:
                         outcome.ttft_ms = (time.monotonic() - started) * 1e3
                     if prefills and plan.superseded:
                         # The turn has read what it reuses; older holds of its history only pin blocks now.
-                        self._after_response(self._release(plan.superseded))
+                        self._after_response(self.holds.release(plan.superseded))
                 output.extend(delta.token_ids)
                 if delta.finished:
                     outcome.replica_id = delta.replica_id
@@ -541,10 +321,10 @@ class TurnRunner:
                     if request.pull is not None and plan.holder:
                         self.met.add((delta.replica_id, plan.holder))  # their NIXL agents have shaken hands
                     if records_hold:
-                        self._record_hold(turn, turn.token_ids + output, delta)
+                        self.holds.record(turn, turn.token_ids + output, delta)
                     if prefills:
-                        self._after_response(self._learn(plan, request.pull is not None and plan.mode is Mode.PULL,
-                                                         delta, busy_peers))
+                        pulled = request.pull is not None and plan.mode is Mode.PULL
+                        self._after_response(self.feedback.learn_request(plan, pulled, delta, busy_peers))
                     # The engine has said all it will: answer now. The end of Serve's stream (the replica's generator
                     # returning, gRPC's trailer: 2-3 ms here) is awaited after the response.
                     self._after_response(drained(stream, request.request_id))
@@ -575,59 +355,3 @@ class TurnRunner:
         task = asyncio.get_running_loop().create_task(later())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _release(self, holds: Sequence[HoldOffer]) -> None:
-        """Take holds out of the directory and free their blocks on their replicas, now rather than at expiry.
-
-        A pending hold pins KV blocks (and keeps its engine stepping now and then to free them).
-        """
-        pool = {r.replica_id: r.pool for r in self.replicas()}
-        for offer in holds:
-            # Any replica of the engine pool but the holder can send the release (a holder cannot release its own).
-            sender = next((rid for rid, p in sorted(pool.items()) if p == PREFILL_POOL and rid != offer.replica_id),
-                          None)
-            if sender is None:
-                continue  # a lone replica: the hold lasts until its lease ends
-            try:
-                hold = await self.directory.consume_hold(offer.hold_id)
-                if hold is not None:  # None: pulled, expired or released already
-                    self.counters["holds_released"] += 1
-                    logger.debug("releasing hold %s of %s through %s", hold.request_id, offer.replica_id, sender)
-                    await self.engines.release_hold.remote(HoldRelease(hold=hold, target_replica=sender))
-            except Exception as exc:  # the hold then lasts until its lease ends: slower, never wrong
-                logger.warning("could not release hold %s on %s: %s", offer.hold_id, offer.replica_id, exc)
-
-    def _record_hold(self, turn: Turn, key_tokens: list[int], last: GenerateDelta) -> None:
-        """Record the hold the replica left (if any) in the directory, for the next turn to find."""
-        if last.hold is not None:
-            logger.debug("%s left hold %s on %s", turn.request_id, last.hold.request_id, last.replica_id)
-            key = PrefixKey.build(key_tokens, Scope(self.model, turn.tenant), self.block_size)
-            self.directory.record_hold(last.replica_id, key, last.hold, time.time() + self.hold_ttl_s,
-                                       at_actor_after_s=AFTER_RESPONSE_S, prompt_tokens=len(turn.token_ids))
-
-    def _busy_peers_since(self, replica_id: str, since: float) -> float:
-        """How many other engines of `replica_id`'s node were busy from `since` until now, each counted for the
-        share of that time it had a request of this ingress in flight (others' requests are not seen here)."""
-        node_of = {r.replica_id: r.node_id for r in self.replicas()}
-        node, now = node_of.get(replica_id), self.inflight.now()
-        return sum(self.inflight.busy_share(peer, since, now)
-                   for peer, peer_node in node_of.items() if peer != replica_id and peer_node == node)
-
-    async def _learn(self, plan: Plan, pulled: bool, last: GenerateDelta, busy_peers: float) -> None:
-        """Teach the cost model this request's prefill (and pull) time, if it had its engine to itself;
-        `busy_peers`: the other engines of its node busy meanwhile, each for its share of the time. Not the count
-        at planning: a peer busy then often finishes a few ms into the prefill, and such turns, counted as fully
-        contended, had the slowdown fit end at 0.10-0.17 per busy peer in runs where prefills beside a decoding
-        engine measured 0.13-0.30 (`benchmarks.contention`)."""
-        if last.prefill_s is None or not last.ran_alone:
-            return  # a turn batched with others times the batch, not the model or the link
-        prefill_ms = last.prefill_s * 1e3
-        reused = last.num_cached_tokens
-        new_tokens = last.prompt_tokens - reused
-        self.cost.observe_prefill(new_tokens, reused, prefill_ms, busy_peers, last.replica_id)
-        if last.decode_step_s is not None and plan.busy_peers == 0:
-            self.cost.observe_decode(last.decode_step_s * 1e3)
-        if pulled and last.wait_s is not None:
-            # vLLM schedules a pulling request once its KV has arrived: the wait before scheduling is the
-            # transfer (plus any queueing, which an idle calibration avoids).
-            self.cost.observe_pull(reused - plan.cached_tokens, last.wait_s * 1e3)

@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from actors.kv_directory.actor import KVDirectoryActor
-from actors.kv_directory.index import KVDirectory
-from actors.prefix_hash import PrefixKey, Scope
+from actors.kv_directory import KVDirectoryActor
 from benchmarks.common import machine, write_result
+from kvtransfer.directory_index.index import KVDirectory
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.types import Hold
 
 SCOPE = Scope("bench-model", "bench-tenant")

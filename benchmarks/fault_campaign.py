@@ -186,7 +186,7 @@ class Campaign:
         """The hold `holder` offers for `history`, as the KV directory has it (None if it offers none)."""
         from ray import serve
 
-        from actors.prefix_hash import Scope
+        from kvtransfer.prefix_key import Scope
 
         directory = serve.get_deployment_handle("kv_directory", app_name="bench")
         found = directory.lookup.remote(history, Scope(self.app.model, "")).result(timeout_s=30)

@@ -25,7 +25,6 @@ from benchmarks.common import write_result
 from benchmarks.fleet_sim import Fleet
 from benchmarks.fleet_turns import FleetResult
 from benchmarks.fleet_workloads import MULTI_TURN, load_workload
-from configs.app import Policy
 from kvtransfer.sim.profile import EngineProfile, Link, load_profile
 
 POLICIES = ("round_robin", "session", "prefix_affinity", "fixed_threshold", "kvrelay")
@@ -61,7 +60,7 @@ def run_policy(profile: EngineProfile, replicas: int, policy: str, workload_name
                seed: int, slo_ms: float, load: float = 1.0) -> tuple[dict[str, Any], FleetResult]:
     workload = load_workload(workload_name).scaled(replicas, load)
     baseline = policy == "recompute"
-    fleet = Fleet(profile, replicas, Policy.ROUND_ROBIN if baseline else Policy(policy), seed, topology,
+    fleet = Fleet(profile, replicas, "round_robin" if baseline else policy, seed, topology,
                   prefill_prefix_caching=topology != "disaggregated", recompute_baseline=baseline)
     started = time.perf_counter()
     result = fleet.run(workload)

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 
 from benchmarks.fleet_turns import LiveConversation
 from benchmarks.fleet_workloads import Conversation, Turn
-from configs.app import Policy
 from kvtransfer.calibration import CALIBRATION_TENANT, CONTENTION_LENGTHS, CONTENTION_START_S, CONTENTION_STREAMS
-from kvtransfer.planner import Mode
+from kvtransfer.options import Mode
 
 if TYPE_CHECKING:
     from benchmarks.fleet_sim import Fleet
@@ -35,11 +34,11 @@ def calibrate(fleet: Fleet) -> None:
         turns = [Turn(user_tokens=[], output_tokens=tokens(output), think_s=0)] + [
             Turn(user_tokens=tokens(32), output_tokens=tokens(1), think_s=0) for _ in range(2)]
         return fleet.new_conversation(Conversation(conv_id=f"calibration-{rng.random()}", tenant=CALIBRATION_TENANT,
-                                                   start_s=0, prefix_tokens=tokens(n), turns=turns))
+                                                   calibration=True, start_s=0, prefix_tokens=tokens(n), turns=turns))
 
     def forced(live: LiveConversation, mode: Mode, replica: str) -> None:
         finished: list[bool] = []
-        fleet.start_turn(live, (mode, replica), Policy.KVRELAY, on_done=lambda: finished.append(True))
+        fleet.start_turn(live, (mode, replica), "kvrelay", on_done=lambda: finished.append(True))
         fleet.run_until_idle(done=lambda: bool(finished))
 
     def pull_after_recompute(n: int, holder: str, puller: str, local: bool = True) -> None:
@@ -59,7 +58,7 @@ def calibrate(fleet: Fleet) -> None:
         forced(conversation(n), Mode.RECOMPUTE, ids[0])
     streams: list[bool] = []
     for _ in range(CONTENTION_STREAMS):
-        fleet.start_turn(conversation(64, output=256), (Mode.RECOMPUTE, ids[1]), Policy.KVRELAY,
+        fleet.start_turn(conversation(64, output=256), (Mode.RECOMPUTE, ids[1]), "kvrelay",
                          on_done=lambda: streams.append(True))
     fleet.run_until_idle(fleet.now + CONTENTION_START_S)
     for n in lengths:

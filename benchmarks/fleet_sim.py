@@ -18,16 +18,16 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
-from actors.kv_directory.index import KVDirectory
 from actors.kv_events import ResidentTracker
-from actors.prefix_hash import PrefixKey, Scope
 from benchmarks.fleet_turns import FleetResult, LiveConversation, TurnInFlight, TurnRecord
 from benchmarks.fleet_workloads import Conversation, Workload, conversations
-from configs.app import Policy
-from kvtransfer.calibration import CALIBRATION_TENANT
 from kvtransfer.cost_model import CostModel
-from kvtransfer.load import preferred_replica, with_busy_peers
-from kvtransfer.planner import Mode, ReplicaView, plan_turn, reads_hold
+from kvtransfer.directory_index.index import KVDirectory
+from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
+from kvtransfer.options import Mode
+from kvtransfer.planner import plan_turn, reads_hold
+from kvtransfer.policies import get_policy
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as EngineHold
 from kvtransfer.sim.engine import SimEngine, SimRequest
@@ -41,11 +41,11 @@ RATE_WINDOW_S = 10.0  # as the ingress's InFlight counts arrival rates
 class Fleet:
     """N modelled replicas behind one planner. `run(workload)` serves a workload under one policy."""
 
-    def __init__(self, profile: EngineProfile, replicas: int, policy: Policy, seed: int = 0,
+    def __init__(self, profile: EngineProfile, replicas: int, policy: str, seed: int = 0,
                  topology: str = "aggregated", prefill_replicas: int | None = None,
                  prefill_prefix_caching: bool = True, recompute_baseline: bool = False) -> None:
         self.profile = profile
-        self.policy = policy
+        self.policy = get_policy(policy)
         self.seed = seed
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -146,7 +146,7 @@ class Fleet:
     # ----- turns
 
     def start_turn(self, live: LiveConversation, force: tuple[Mode, str] | None = None,
-                   tenant_policy: Policy | None = None, on_done: Callable[[], None] | None = None,
+                   tenant_policy: str | None = None, on_done: Callable[[], None] | None = None,
                    max_tokens: int | None = None) -> None:
         """Plan and start the conversation's next turn now."""
         conv, index = live.conv, live.next_turn
@@ -154,7 +154,7 @@ class Fleet:
         prompt = live.tokens + turn.user_tokens
         output = turn.output_tokens[: max_tokens] if max_tokens else turn.output_tokens
         key = live.key.extend(turn.user_tokens)
-        policy = tenant_policy or self.policy
+        policy = get_policy(tenant_policy) if tenant_policy else self.policy
         pulls = policy.pulls and len(self.engines) > 1
         turn_index: int | None = index
         baseline = self.recompute_baseline and self._serving
@@ -229,7 +229,7 @@ class Fleet:
             return
         ttft = (self.now - t.start) * 1e3 + self.profile.request_overhead_ms
         plan, engine = t.plan, self.by_id[t.plan.replica_id]
-        planned = not t.forced or t.live.conv.tenant == CALIBRATION_TENANT
+        planned = not t.forced or t.live.conv.calibration
         if planned and not (reads_hold(plan) and r.pulled_tokens == 0):
             self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, ttft)
         if r.ran_alone and r.prefill_started_at is not None:
@@ -246,7 +246,7 @@ class Fleet:
                 self.result.counters["holds_released"] += 1
         if not t.forced:
             self.result.records.append(TurnRecord(
-                t.live.conv.conv_id, t.index, self.policy.value, t.start, ttft, r.prompt_len, r.reused_tokens,
+                t.live.conv.conv_id, t.index, self.policy.name, t.start, ttft, r.prompt_len, r.reused_tokens,
                 plan.mode.value if r.pulled_tokens or plan.mode is not Mode.PULL else Mode.RECOMPUTE.value,
                 engine.replica_id, plan.estimate_ms, t.pulled_bytes))
 
@@ -260,7 +260,7 @@ class Fleet:
             return
         if len(r.output_ids) > 1 and len(engine.running) == 0 and r.first_token_at is not None:
             self.cost.observe_decode((self.now - r.first_token_at) * 1e3 / (len(r.output_ids) - 1))
-        if t.live.conv.tenant != CALIBRATION_TENANT:
+        if not t.live.conv.calibration:
             self.cost.observe_output(r.generated)
         live = t.live
         key = live.key.extend(live.conv.turns[t.index].user_tokens)

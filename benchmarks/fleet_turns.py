@@ -7,9 +7,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from actors.prefix_hash import PrefixKey
 from benchmarks.fleet_workloads import Conversation
 from kvtransfer.planner import Plan
+from kvtransfer.prefix_key import PrefixKey
 from kvtransfer.sim.engine import SimRequest
 
 

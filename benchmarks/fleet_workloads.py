@@ -116,6 +116,8 @@ class Turn(BaseModel):
 class Conversation(BaseModel):
     conv_id: str
     tenant: str
+    # The start-up calibration's (benchmarks/fleet_calibration.py): forced turns that still teach the estimate error.
+    calibration: bool = False
     start_s: float | None  # poisson arrivals; None: when a client is free
     prefix_tokens: list[int]  # system prompt and the conversation's own prefix
     turns: list[Turn]

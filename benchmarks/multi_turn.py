@@ -6,7 +6,7 @@
 Synthetic conversations in the shape of vLLM's benchmarks/multi_turn: a system prefix shared by all, a prefix
 of each conversation's own (the document it is about), then turns whose user and output token counts are drawn
 from distributions; every turn resends the whole history, as OpenAI clients do. Clients run conversations
-with a fixed concurrency, or start them as a Poisson process. Every policy (`configs.app.Policy`, chosen
+with a fixed concurrency, or start them as a Poisson process. Every policy (`kvtransfer/policies/`, chosen
 per request by the `x-kvrelay-policy` header) serves the same conversations on the same engines; each policy
 runs under its own API key, so no policy reuses KV another one left behind. Measured per request as the
 client sees it: TTFT, TPOT, latency, reused tokens, plan mode.

@@ -39,7 +39,7 @@ import httpx
 
 from actors.replica_api import GenerateRequest, Sampling
 from benchmarks.common import start_app, stop_app, write_result
-from configs.app import Policy
+from kvtransfer.policies import get_policy
 
 
 def pct(values: list[float], q: float) -> float:
@@ -159,7 +159,7 @@ async def two_hop_added_ms(base_url: str, requests: int) -> list[float]:
 
 async def run(app, requests: int, stream_tokens: int, policy: str, noop_url: str, noop2_url: str) -> dict:
     # The direct path leaves a hold exactly when the ingress's policy does, so both do the same engine work.
-    holds = Policy(policy).pulls
+    holds = get_policy(policy).pulls
     prompt = list(range(100, 164))
     headers = {"x-kvrelay-policy": policy}
     async with (httpx.AsyncClient(base_url=app.direct_url or app.base_url, timeout=120, headers=headers) as client,

@@ -23,7 +23,6 @@ from benchmarks.fleet import summarize
 from benchmarks.fleet_sim import Fleet
 from benchmarks.fleet_workloads import from_bench_config
 from benchmarks.multi_turn_workload import BenchConfig
-from configs.app import Policy
 from kvtransfer.sim.profile import load_profile
 
 SEPARATED = 0.10  # real p50s further apart than this must keep their order in the simulation
@@ -37,7 +36,7 @@ def simulate(profile_name: str, real: dict[str, Any], seed: int) -> dict[str, di
     for policy in real["policies"]:
         records, duration = [], 0.0
         for r in range(config.rounds):  # the real run served fresh conversations each round (seed + round)
-            result = Fleet(profile, config.num_replicas, Policy(policy), seed=config.seed + r + seed).run(workload)
+            result = Fleet(profile, config.num_replicas, policy, seed=config.seed + r + seed).run(workload)
             records += result.records
             duration += result.duration_s
         result.records, result.duration_s = records, duration

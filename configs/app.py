@@ -6,28 +6,12 @@ rejected with a precise message before any actor starts.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.engine import EngineConfig
 from configs.serve_llm import LLMConfig
-
-
-class Policy(StrEnum):
-    """How a turn's (replica, mode) is chosen among the options."""
-
-    KVRELAY = "kvrelay"  # lowest estimated time to first token over every (replica, mode) option
-    ROUND_ROBIN = "round_robin"  # next replica in turn; each replica's own prefix cache, never a pull
-    SESSION = "session"  # consistent hash of the session id (X-Session-Id); never a pull
-    PREFIX_AFFINITY = "prefix_affinity"  # the replica holding the longest prefix, else the least loaded
-    FIXED_THRESHOLD = "fixed_threshold"  # round robin, pulling from the holder whenever it holds >= 64 tokens
-
-    @property
-    def pulls(self) -> bool:
-        """Whether the policy ever pulls, so its turns must leave pullable holds behind."""
-        return self in (Policy.KVRELAY, Policy.FIXED_THRESHOLD)
 
 
 class AutoscalingSettings(BaseModel):
@@ -148,10 +132,12 @@ class AppConfig(BaseModel):
     # How often one turn may move to another replica because the one serving it died (its stream continues there
     # from the tokens already sent); beyond that the client gets an error (0: never move).
     max_migrations: int = Field(default=2, ge=0)
-    # How turns are placed (`kvtransfer/planner.py` implements each). "kvrelay" plans by measured cost; the others
-    # are the routers users would otherwise run, kept for side-by-side benchmarks (a request may also name one in
-    # the `x-kvrelay-policy` header).
-    policy: Policy = Policy.KVRELAY
+    # How turns are placed: a placement policy's name (`kvtransfer/policies/`, one file each). "kvrelay" plans by
+    # measured cost; the others are the routers users would otherwise run, kept for side-by-side benchmarks (a
+    # request may also name one in the `x-kvrelay-policy` header). A name rather than an enum, since each policy
+    # registers its name in its own file and configs/ imports none of them: `app.builder.build_app` rejects a name
+    # no policy has, before any actor starts.
+    policy: str = "kvrelay"
     openai: OpenAISettings = Field(default_factory=OpenAISettings)
     # Serve's and vLLM's logging in every deployment. Internal calls (heartbeats, the directory's feed, each turn's
     # engine call) never get access-log lines; the ingress logs one per client request at INFO.

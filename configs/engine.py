@@ -1,4 +1,5 @@
-"""Pydantic configuration of one vLLM engine replica: model, cache, fast prefill and NIXL settings.
+"""Pydantic configuration of one vLLM engine replica: model, cache, fast prefill and NIXL settings, or a simulated
+engine's profile and time dilation.
 
 Validators reject an impossible engine before any Ray actor starts. Nothing here imports vLLM; the
 replica turns this into `AsyncEngineArgs` (see `actors/vllm_engine.py`).
@@ -6,6 +7,7 @@ replica turns this into `AsyncEngineArgs` (see `actors/vllm_engine.py`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -13,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from configs.models import DEFAULT_MODEL, ModelFacts, model_facts
 
 MiB = 1024**2
+# Simulated engines' profiles (`kvtransfer/sim/profile.py` reads them): one JSON file per hardware/model pair.
+SIM_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
 class NixlSettings(BaseModel):
@@ -73,6 +77,14 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # "vllm": a vLLM engine (actors/engine_replica.py). "sim": a modelled engine (actors/sim_engine_replica.py) that
+    # steps in real time by a profile's modelled times and computes no model: control-plane and fleet-scale studies
+    # of the real ingress, directory and planner. Its replies are token ids of `model`'s tokenizer, not the model's.
+    kind: Literal["vllm", "sim"] = "vllm"
+    # kind "sim" only: the profile's name under configs/profiles (e.g. "h100-llama-3.1-8b").
+    sim_profile: str | None = None
+    # kind "sim" only: real seconds per modelled second (0.1 runs ten times faster than the modelled hardware).
+    sim_dilation: float = Field(default=1.0, gt=0, le=1000)
     # A preset name (configs/models.py), a local HF model directory, or a HF repo id in the local HF cache.
     model: str = DEFAULT_MODEL
     # None: the model's recommended dtype (fp32 for the random test models, bf16 for real ones), except that a
@@ -123,7 +135,21 @@ class EngineConfig(BaseModel):
             raise ValueError(f"block_size={self.block_size} must be a multiple of 16 (32 on CPU)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        self._check_sim()
         return self
+
+    def _check_sim(self) -> None:
+        known = sorted(p.stem for p in SIM_PROFILES_DIR.glob("*.json"))
+        if self.kind == "vllm":
+            # By value, not by what was set: a replica validates its pool's dumped config, every field set.
+            if self.sim_profile is not None or self.sim_dilation != 1.0:
+                raise ValueError("sim_profile and sim_dilation configure a simulated engine: set kind: sim, or drop "
+                                 "them")
+        elif self.sim_profile is None:
+            raise ValueError(f"kind: sim needs sim_profile, one of {known}")
+        elif self.sim_profile not in known:
+            raise ValueError(f"sim_profile {self.sim_profile!r} is not a profile under configs/profiles; "
+                             f"known: {known}")
 
     @property
     def facts(self) -> ModelFacts:

@@ -1,7 +1,8 @@
 """Seeding the cost model at start-up: a few recomputes and pulls measured on the live replicas.
 
-Synthetic turns run under their own tenant, so they never match a real conversation. Calibration only sharpens
-the cost model's priors; serving never waits for it or depends on it.
+Synthetic turns run under their own tenant, so they never match a real conversation, and are marked as calibration
+(`Turn.calibration`): they teach the estimate error though forced, and not how long turns decode. Calibration only
+sharpens the cost model's priors; serving never waits for it or depends on it.
 """
 
 from __future__ import annotations

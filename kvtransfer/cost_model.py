@@ -33,11 +33,14 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtransfer.estimate_error import EstimateError
+
+if TYPE_CHECKING:  # the planner's view of a replica; its module prices nothing
+    from kvtransfer.load import ReplicaView
 
 
 class OnlineLinearFit:
@@ -76,23 +79,6 @@ class OnlineLinearFit:
 
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:
     return (1.0, float(new_tokens), new_tokens * (context_tokens + new_tokens / 2) / 1e3)
-
-
-@dataclass(frozen=True)
-class LoadView:
-    """What the cost model needs of a replica's stats to estimate its queue wait."""
-
-    running: int
-    waiting: int
-    decode_tok_s: float | None
-    # Known prompt tokens still to prefill there (counted apart from `waiting`).
-    prefill_tokens: int = 0
-    # Other engines on the same node that are busy now (they share its CPUs).
-    busy_peers: int = 0
-    # Whose speed factor applies ("" for a typical replica).
-    replica_id: str = ""
-    # How many requests `prefill_tokens` belong to.
-    prefilling: int = 0
 
 
 class CostModel:
@@ -192,11 +178,11 @@ class CostModel:
         """Transfer the KV of `num_tokens` tokens from a holder (fixed handover part + bytes / bandwidth)."""
         return max(0.0, self.pull.predict((1.0, float(self.kv_bytes(num_tokens)))))
 
-    def step_ms(self, load: LoadView) -> float:
+    def step_ms(self, load: ReplicaView) -> float:
         """One decode step on a replica: its measured token rate per request, else the default."""
         return 1e3 / load.decode_tok_s if load.decode_tok_s else self.decode_step_ms
 
-    def queue_ms(self, load: LoadView) -> float:
+    def queue_ms(self, load: ReplicaView) -> float:
         """Wait before a new request's first token beyond its own prefill: the known prefills ahead of it,
         other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
         batches a new prefill with the running decodes, so they cost it about one step, not one each)."""

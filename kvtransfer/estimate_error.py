@@ -1,7 +1,7 @@
 """The planner's own error: measured minus estimated time to first token per kind of option, and how far single
 turns land from it. What the cost model's fits miss (queueing, Serve's hops, contention they model too simply) is
 charged to the options that suffer it, and a departure from the replica holding a history must beat staying by
-more than this uncertainty (`kvtransfer.planner.departure_noise_ms`)."""
+more than this uncertainty (`kvtransfer.policies.kvrelay.departure_noise_ms`)."""
 
 from __future__ import annotations
 

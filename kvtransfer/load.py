@@ -1,12 +1,45 @@
-"""How busy the replicas are, as the planner reads it: busy engines beside each replica on its node, and which
-replica a session prefers. Pure functions of the live replicas' views, shared by the ingress and the fleet study."""
+"""How busy the replicas are, as the planner reads it: one view per live replica (`ReplicaView`), the busy engines
+beside each on its node, and which replica a session prefers. Shared by the ingress and the fleet study."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from kvtransfer.planner import PeerLoad, ReplicaView
+
+class ReplicaView(NamedTuple):
+    """A live replica's load as the planner reads it: its heartbeat (`ReplicaStats`) reconciled with what this
+    ingress has sent since (`app/inflight.py`), and the busy replicas beside it on its node."""
+
+    replica_id: str
+    running: int = 0
+    waiting: int = 0
+    decode_tok_s: float | None = None
+    # Prompt tokens of requests known to be queued or prefilling there now (they run before a new turn).
+    prefill_tokens: int = 0
+    # Requests known to wait for their first token there (their tokens are in `prefill_tokens`).
+    prefilling: int = 0
+    # Requests per second sent there lately by other conversations than the planned turn's: how many arrive while
+    # a new turn's prefill holds it.
+    arrival_rate: float = 0.0
+    # Other replicas on the same node that are busy now (they share its CPUs), each as its own view (without peers).
+    peers: tuple[ReplicaView, ...] = ()
+
+    @property
+    def busy_peers(self) -> int:
+        return len(self.peers)
+
+    @property
+    def awaiting_first_token(self) -> int:
+        """Requests there that have not had their first token yet: queued, or known to be prefilling."""
+        return self.waiting + self.prefilling
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.waiting or self.prefill_tokens or self.prefilling)
+
+
 
 
 def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
@@ -18,8 +51,7 @@ def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[R
     for v in views:
         node = node_of.get(v.replica_id)
         peers = [b for b in busy if b.replica_id != v.replica_id and node_of.get(b.replica_id) == node]
-        out.append(v._replace(peers=tuple(PeerLoad(p.waiting + p.prefilling, p.prefill_tokens, p.arrival_rate)
-                                          for p in peers)))
+        out.append(v._replace(peers=tuple(p._replace(peers=()) for p in peers)))
     return out
 
 

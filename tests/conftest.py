@@ -107,7 +107,7 @@ def start_directory_actor(name: str, block_size: int = DIRECTORY_BLOCK_SIZE) -> 
     """
     import ray
 
-    from actors.kv_directory.actor import KVDirectoryActor
+    from actors.kv_directory import KVDirectoryActor
 
     options = {"name": name, "namespace": "kvrelay-test", "max_restarts": -1, "max_task_retries": 0, "num_cpus": 0.01}
     return ray.remote(KVDirectoryActor).options(**options).remote(block_size=block_size)

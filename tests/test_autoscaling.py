@@ -117,7 +117,7 @@ def directory_handle(app_name: str = "scaling") -> Any:
 
 def holders(directory: Any, tokens: list[int]) -> set[str]:
     """The replicas the KV directory lists as holding a prefix of `tokens` (the turns' scope: tiny-llama, no tenant)."""
-    from actors.prefix_hash import Scope
+    from kvtransfer.prefix_key import Scope
 
     return {m.replica_id for m in directory.lookup.remote(tokens, Scope("tiny-llama", "")).result().matches}
 

@@ -9,9 +9,9 @@ import time
 import uuid
 from typing import Any
 
-from actors.directory_mirror import DirectoryMirror
-from actors.kv_directory.results import StoreResident
 from actors.replica_api import ReplicaIdentity, ReplicaStats
+from app.directory_mirror import DirectoryMirror
+from kvtransfer.directory_index.results import StoreResident
 from kvtransfer.types import Hold
 from tests.conftest import make_hold
 from tests.test_kv_directory_actor import BS, key

@@ -82,6 +82,12 @@ def test_fast_prefill_matches_plain_and_transformers(loop_thread, gemma_fast, ge
         assert fast == plain == reference, text
 
 
+def attention_groups(loop_thread, replica) -> list[dict]:
+    """The live worker's (rank 0) attention groups, read through vLLM's collective RPC and kvrelay's worker
+    extension: {"kv_cache_group", "backend", "layer_names"} each."""
+    return loop_thread.run(replica.engine.collective_rpc("kvrelay_attention_groups"))[0]
+
+
 def test_fast_prefill_groups_hold_exactly_the_kv_sharing_layers(loop_thread, gemma_fast, gemma_plain):
     from transformers import AutoConfig
 
@@ -92,15 +98,15 @@ def test_fast_prefill_groups_hold_exactly_the_kv_sharing_layers(loop_thread, gem
     def layer_key(name: str) -> str:
         return "layers." + name.split("layers.")[1].split(".")[0] + "."
 
-    fast_groups = loop_thread.run(gemma_fast.attention_groups())
-    fast_layers = {layer_key(n) for g in fast_groups if "FastPrefill" in g.backend for n in g.layer_names}
-    other_layers = {layer_key(n) for g in fast_groups if "FastPrefill" not in g.backend for n in g.layer_names}
+    fast_groups = attention_groups(loop_thread, gemma_fast)
+    fast_layers = {layer_key(n) for g in fast_groups if "FastPrefill" in g["backend"] for n in g["layer_names"]}
+    other_layers = {layer_key(n) for g in fast_groups if "FastPrefill" not in g["backend"] for n in g["layer_names"]}
     assert fast_layers == shared
     assert not (other_layers & shared)
     assert len(fast_layers | other_layers) == cfg.num_hidden_layers
 
-    plain_groups = loop_thread.run(gemma_plain.attention_groups())
-    assert plain_groups and not any("FastPrefill" in g.backend for g in plain_groups)
+    plain_groups = attention_groups(loop_thread, gemma_plain)
+    assert plain_groups and not any("FastPrefill" in g["backend"] for g in plain_groups)
 
 
 def test_prompt_logprobs_on_fast_prefill_is_a_clear_error_and_replica_keeps_serving(loop_thread, gemma_fast):

@@ -296,15 +296,6 @@ def test_no_response_header_stat_or_log_line_carries_another_tenants_content(tin
     assert not leaked, leaked
 
 
-def test_api_keys_may_also_come_from_a_file(tmp_path, monkeypatch):
-    from app.ingress import API_KEYS_FILE_ENV, load_api_keys
-
-    keys = tmp_path / "keys"
-    keys.write_text("sk-one\n\n  sk-two  \n")
-    monkeypatch.setenv(API_KEYS_FILE_ENV, str(keys))
-    assert load_api_keys(["sk-config"]) == ["sk-config", "sk-one", "sk-two"]
-
-
 def test_prompt_logprobs_cover_every_prompt_token_even_when_the_prompt_is_cached(tiny_app):
     body = {"model": MODEL, "prompt": "the river runs to the sea " * 8, "max_tokens": 2, "prompt_logprobs": 1}
     for _ in range(2):  # the second time the prompt is cached (or held) somewhere: it is computed anyway

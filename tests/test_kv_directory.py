@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from actors.kv_directory.index import KVDirectory
-from actors.kv_directory.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
 from actors.kv_events import KVEventForwarder, ResidentTracker
-from actors.prefix_hash import PrefixKey, Scope, chain_hashes, scope_seed
+from kvtransfer.directory_index.index import KVDirectory
+from kvtransfer.directory_index.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
+from kvtransfer.prefix_key import PrefixKey, Scope, chain_hashes, scope_seed
 from kvtransfer.sim.block_cache import VLLM_NONE_HASH_SEED, external_block_hash, vllm_block_hashes
 from kvtransfer.types import Hold, LookupResult
 from tests.conftest import make_hold
@@ -78,7 +78,7 @@ def test_hashes_are_chained_scoped_and_extend_incrementally() -> None:
 
 def test_hashes_are_identical_in_another_process() -> None:
     code = (
-        "from actors.prefix_hash import PrefixKey, Scope;"
+        "from kvtransfer.prefix_key import PrefixKey, Scope;"
         "print(PrefixKey.build(range(70), Scope('m', 't'), 32).block_hashes[-1].hex())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}

@@ -7,8 +7,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from actors.kv_directory.results import ClearResident, DirectoryStats, ResidentResult, StoreResident
-from actors.prefix_hash import PrefixKey, Scope
+from kvtransfer.directory_index.results import ClearResident, DirectoryStats, ResidentResult, StoreResident
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.types import LookupResult
 from tests.conftest import DIRECTORY_BLOCK_SIZE, make_hold
 

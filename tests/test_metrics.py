@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.kv_directory.results import DirectoryStats
 from actors.replica_api import GenerateDelta
 from app.metrics import DirectoryView, IngressMetrics
-from app.turns import TurnOutcome
-from kvtransfer.planner import Mode, Plan
+from app.turn_types import TurnOutcome
+from kvtransfer.directory_index.results import DirectoryStats
+from kvtransfer.options import Mode
+from kvtransfer.planner import Plan
 
 KV_BYTES_PER_TOKEN = 1000
 

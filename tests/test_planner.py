@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from configs.app import Policy
-from kvtransfer.cost_model import CostModel, LoadView
+from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.load import preferred_replica
-from kvtransfer.planner import STAY_MARGIN, STAY_MARGIN_MS, Mode, PeerLoad, ReplicaView, _options, plan_turn
+from kvtransfer.load import ReplicaView, preferred_replica
+from kvtransfer.options import STAY_MARGIN_MS, Mode
+from kvtransfer.planner import _options, plan_turn
+from kvtransfer.policies.kvrelay import STAY_MARGIN
 from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "head_dim": 64}
+
+
+def peer(waiting: int = 0, prefill_tokens: int = 0, arrival_rate: float = 0.0) -> ReplicaView:
+    """A busy replica beside the planned one on its node: `waiting` requests before their first tokens, with
+    `prefill_tokens` prompt tokens to compute, and `arrival_rate` requests a second sent there."""
+    return ReplicaView("peer", running=1, waiting=waiting, prefill_tokens=prefill_tokens, arrival_rate=arrival_rate)
 
 
 def calibrated(prefill_ms_per_token: float = 0.3, pull_fixed_ms: float = 8.0, gb_s: float = 2.0,
@@ -211,22 +218,22 @@ def test_baseline_policies_place_turns_by_their_own_rules():
     held = lookup(1000, ReplicaMatch("a", 960, "hold", 960, hold("a", 960)),
                   ReplicaMatch("c", 64, "resident", 64, None))
     # Round robin walks the replicas in turn and never pulls; each target uses its own prefix cache.
-    rr = [plan_turn(1000, held, views, cost, policy=Policy.ROUND_ROBIN, rotation=i) for i in range(3)]
+    rr = [plan_turn(1000, held, views, cost, policy="round_robin", rotation=i) for i in range(3)]
     assert [p.replica_id for p in rr] == ["a", "b", "c"]
     assert [p.mode for p in rr] == [Mode.LOCAL, Mode.RECOMPUTE, Mode.LOCAL]
     # Session affinity: the session's replica, whatever it holds.
-    session = plan_turn(1000, held, views, cost, preferred_replica="b", policy=Policy.SESSION)
+    session = plan_turn(1000, held, views, cost, preferred_replica="b", policy="session")
     assert (session.replica_id, session.mode) == ("b", Mode.RECOMPUTE)
     # Prefix affinity: the longest holder; with nothing held anywhere, the least loaded replica.
-    assert plan_turn(1000, held, views, cost, policy=Policy.PREFIX_AFFINITY).replica_id == "a"
+    assert plan_turn(1000, held, views, cost, policy="prefix_affinity").replica_id == "a"
     nothing = plan_turn(1000, lookup(1000), [ReplicaView("a", running=2), ReplicaView("b")], cost,
-                        policy=Policy.PREFIX_AFFINITY)
+                        policy="prefix_affinity")
     assert nothing.replica_id == "b"
     # vLLM's fixed threshold: off the holder, pull whenever the hold adds 64 tokens or more.
-    fixed = plan_turn(1000, held, views, cost, policy=Policy.FIXED_THRESHOLD, rotation=1)
+    fixed = plan_turn(1000, held, views, cost, policy="fixed_threshold", rotation=1)
     assert (fixed.replica_id, fixed.mode, fixed.holder) == ("b", Mode.PULL, "a")
     short = lookup(100, ReplicaMatch("a", 40, "hold", 32, hold("a", 40)))
-    assert plan_turn(100, short, views, cost, policy=Policy.FIXED_THRESHOLD, rotation=1).mode is Mode.RECOMPUTE
+    assert plan_turn(100, short, views, cost, policy="fixed_threshold", rotation=1).mode is Mode.RECOMPUTE
     # Every plan still carries every estimate, so a benchmark can show what the choice cost.
     assert set(fixed.estimates_ms) == {"local", "pull", "recompute"} and fixed.reason.startswith("fixed_threshold")
 
@@ -240,7 +247,7 @@ def test_busy_engines_on_the_same_node_slow_a_target_by_the_measured_factor():
     assert cost.recompute_ms(1000, busy_peers=1) == pytest.approx(1.5 * solo, rel=0.01)
     assert cost.recompute_ms(1000) == pytest.approx(solo)  # the solo fit learned nothing from them
     # A new conversation: "b" is idle but shares a node with busy "a"; "c" is idle on another node.
-    views = [ReplicaView("a", running=1), ReplicaView("b", peers=(PeerLoad(),)), ReplicaView("c")]
+    views = [ReplicaView("a", running=1), ReplicaView("b", peers=(peer(),)), ReplicaView("c")]
     assert plan_turn(1000, lookup(1000), views, cost).replica_id == "c"
     # With nowhere else to go, staying beside the busy engine's queue beats paying the slowdown on "b".
     plan = plan_turn(1000, lookup(1000), views[:2], cost)
@@ -280,7 +287,8 @@ def test_a_prefill_beside_a_peer_busy_for_part_of_it_teaches_the_whole_slowdown(
 
 def test_the_peers_busy_during_a_prefill_count_for_their_share_of_it():
     from actors.replica_api import ReplicaStats
-    from app.turns import InFlight, TurnRunner
+    from app.feedback import Feedback
+    from app.inflight import InFlight
 
     def stats(replica_id: str, node_id: str) -> ReplicaStats:
         return ReplicaStats(replica_id=replica_id, node_id=node_id, running=0, waiting=0, kv_cache_usage=0.0,
@@ -291,9 +299,8 @@ def test_the_peers_busy_during_a_prefill_count_for_their_share_of_it():
             return [stats("a", "n1"), stats("b", "n1"), stats("c", "n1"), stats("d", "n2")]
 
     now = [100.0]
-    turns = TurnRunner(None, Directory(), calibrated(), "m", 16, 10.0)
-    turns.inflight = InFlight(clock=lambda: now[0])
-    inflight = turns.inflight
+    inflight = InFlight(clock=lambda: now[0])
+    feedback = Feedback(calibrated(), inflight, Directory().live)
     inflight.started("b", "b1", 0)  # busy before the turn is sent, done 50 ms into its 200
     inflight.started("d", "d1", 0)  # busy throughout, but on another node: shares no cores with "a"
     now[0] = 100.05
@@ -306,13 +313,13 @@ def test_the_peers_busy_during_a_prefill_count_for_their_share_of_it():
     assert inflight.busy_share("b", 100.0, 100.2) == pytest.approx(0.25)
     now[0] = 100.2
     assert inflight.busy_share("c", 100.0, 100.2) == pytest.approx(0.5)
-    assert turns._busy_peers_since("a", 100.0) == pytest.approx(0.75)
+    assert feedback.busy_peers_since("a", 100.0) == pytest.approx(0.75)
     assert inflight.busy_share("b", 100.1, 100.2) == 0.0
 
 
 def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     from actors.replica_api import ReplicaStats
-    from app.turns import InFlight
+    from app.inflight import InFlight
 
     now = [100.0]
     inflight = InFlight(clock=lambda: now[0])
@@ -348,7 +355,7 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
 def test_the_planner_corrects_for_its_own_measured_error():
     cost = calibrated(prefill_ms_per_token=0.3)
     # A new 1000-token conversation: "a" is busy decoding, "b" idle beside it (so b's engine has a busy peer).
-    replicas = [ReplicaView("a", running=2, decode_tok_s=50.0), ReplicaView("b", peers=(PeerLoad(),))]
+    replicas = [ReplicaView("a", running=2, decode_tok_s=50.0), ReplicaView("b", peers=(peer(),))]
     first = plan_turn(1000, lookup(1000), replicas, cost)
     assert first.replica_id == "b"  # by the fits alone the idle replica looks faster
     assert first.model_ms == first.estimate_ms  # nothing measured yet: no correction
@@ -387,7 +394,7 @@ def test_an_idle_engine_beside_busy_ones_pays_for_the_first_tokens_it_would_dela
     # "a" decodes three requests while four more wait for their first tokens (300 prompt tokens in all), and gets 2
     # requests a second; "b" is idle on the same node.
     views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4, arrival_rate=2.0),
-             ReplicaView("b", peers=(PeerLoad(4, 300, 2.0),))]
+             ReplicaView("b", peers=(peer(4, 300, 2.0),))]
     turn = dict(num_tokens=200, lookup=lookup(200), replicas=views, output_tokens=32)
     # Where engines do not slow each other (nothing measured), the idle engine's first token comes sooner.
     independent = plan_turn(**turn, cost=calibrated(prefill_ms_per_token=0.3))
@@ -403,7 +410,7 @@ def test_an_idle_engine_beside_busy_ones_pays_for_the_first_tokens_it_would_dela
     # Behind a long backlog on "a", the idle engine is worth the slowdown, and the plan says what it costs: a's
     # four waiting requests are slowed for as long as the turn keeps "b" busy (its prefill, then its decode), and
     # those arriving meanwhile for half of that on average.
-    queued = [views[0]._replace(prefill_tokens=8000), views[1]._replace(peers=(PeerLoad(4, 8000, 2.0),))]
+    queued = [views[0]._replace(prefill_tokens=8000), views[1]._replace(peers=(peer(4, 8000, 2.0),))]
     moved = plan_turn(200, lookup(200), queued, cost, output_tokens=32)
     occupancy = moved.estimate_ms + 32 * cost.decode_step_ms
     assert moved.replica_id == "b" and moved.impact_ms == pytest.approx(
@@ -419,7 +426,7 @@ def test_requests_that_only_decode_beside_an_idle_engine_cost_it_only_the_first_
     # tokens. With requests arriving at "a" now and then (one every 4 s), a turn faster on "b" goes there.
     cost = contended(0.1)
     sparse = [ReplicaView("a", running=3, arrival_rate=0.25),
-              ReplicaView("b", peers=(PeerLoad(0, 0, 0.25),))]
+              ReplicaView("b", peers=(peer(0, 0, 0.25),))]
     plan = plan_turn(200, lookup(200), sparse, cost, output_tokens=32)
     occupancy = plan.estimate_ms + 32 * cost.decode_step_ms
     assert plan.replica_id == "b" and plan.estimate_ms == pytest.approx(1.1 * cost.recompute_ms(200), rel=0.01)
@@ -427,7 +434,7 @@ def test_requests_that_only_decode_beside_an_idle_engine_cost_it_only_the_first_
     # With 8 requests a second arriving at "a", every one of them would get its first token later while "b" works:
     # the turn joins "a" (a saturated node serves more on one engine than on two that slow each other).
     busy = [ReplicaView("a", running=3, arrival_rate=8.0),
-            ReplicaView("b", peers=(PeerLoad(0, 0, 8.0),))]
+            ReplicaView("b", peers=(peer(0, 0, 8.0),))]
     assert plan_turn(200, lookup(200), busy, cost, output_tokens=32).replica_id == "a"
 
 
@@ -435,7 +442,7 @@ def test_a_turn_on_an_idle_engine_is_priced_for_the_turns_its_conversation_will_
     # "a" decodes three requests, one more waits for its first 300 tokens, and 2 requests a second arrive there; "b"
     # is idle on the same node, and engines there slow each other by 10%.
     views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=1, arrival_rate=2.0),
-             ReplicaView("b", peers=(PeerLoad(1, 300, 2.0),))]
+             ReplicaView("b", peers=(peer(1, 300, 2.0),))]
     one_shot, conversations = contended(0.1), contended(0.1)
     for _ in range(12):
         for first in range(5):  # conversations of five turns: four of five turns continue one
@@ -464,12 +471,12 @@ def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_woul
     history = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
     # "a" has four requests waiting for their first tokens; engines that slow each other by half.
     views = [ReplicaView("a", running=3, prefill_tokens=300, prefilling=4),
-             ReplicaView("b", peers=(PeerLoad(4, 300),))]
+             ReplicaView("b", peers=(peer(4, 300),))]
     consolidated = plan_turn(n + 64, history, views, contended(0.5), output_tokens=32)
     assert (consolidated.replica_id, consolidated.mode, consolidated.holder) == ("a", Mode.PULL, "b")
     # When "a" only decodes and nothing arrives there, nobody's first token waits on it: the turn stays with its
     # history.
-    decoding = [ReplicaView("a", running=3), ReplicaView("b", peers=(PeerLoad(),))]
+    decoding = [ReplicaView("a", running=3), ReplicaView("b", peers=(peer(),))]
     stays = plan_turn(n + 64, history, decoding, contended(0.5), output_tokens=32)
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
     # Engines that do not slow each other: the turn stays with its history.
@@ -488,8 +495,8 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
     # conversation's (0.5 a second). A conversation living on "b" keeps "b" decoding beside "a" for its four more
     # turns, slowing a's arrivals each time; on "a" its turns slow b's fewer arrivals: it moves to "a", pulling its
     # history, though this turn's own first token comes a little later there. So "b" drains.
-    views = [ReplicaView("a", running=4, arrival_rate=2.0, peers=(PeerLoad(0, 0, 0.5),)),
-             ReplicaView("b", running=1, arrival_rate=0.5, peers=(PeerLoad(0, 0, 2.0),))]
+    views = [ReplicaView("a", running=4, arrival_rate=2.0, peers=(peer(0, 0, 0.5),)),
+             ReplicaView("b", running=1, arrival_rate=0.5, peers=(peer(0, 0, 2.0),))]
     moved = plan_turn(n + 64, on_b, views, cost, output_tokens=24)
     assert (moved.replica_id, moved.mode, moved.holder) == ("a", Mode.PULL, "b")
     assert moved.estimate_ms > moved.estimates_ms["local"]
@@ -501,17 +508,17 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
     on_a = lookup(n + 64, ReplicaMatch("a", n, "hold", n, hold("a", n)))
     assert (plan_turn(n + 64, on_a, views, cost, output_tokens=24).replica_id,) == ("a",)
     # With the same traffic on both, moving saves nothing: the turn stays with its history (no ping-pong).
-    even = [views[0]._replace(arrival_rate=1.0, peers=(PeerLoad(0, 0, 1.0),)),
-            views[1]._replace(running=4, arrival_rate=1.0, peers=(PeerLoad(0, 0, 1.0),))]
+    even = [views[0]._replace(arrival_rate=1.0, peers=(peer(0, 0, 1.0),)),
+            views[1]._replace(running=4, arrival_rate=1.0, peers=(peer(0, 0, 1.0),))]
     stays = plan_turn(n + 64, on_b, even, cost, output_tokens=24)
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
 
 
 def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
-    from actors.prefix_hash import PrefixKey, Scope
     from actors.replica_api import ReplicaStats
-    from app.turns import InFlight
+    from app.inflight import InFlight
     from kvtransfer.load import with_busy_peers
+    from kvtransfer.prefix_key import PrefixKey, Scope
 
     n = 1024
     # Prefills 1.3x slower beside a busy engine, a 58 ms decode step: today's quick multi-turn workload measured
@@ -577,11 +584,11 @@ def test_prompts_queued_on_a_replica_are_priced_as_separate_prompts_prefilled_to
     # Eight 1k-token prompts wait on the replica: every token's cost, attention within each prompt, the fixed cost
     # once (vLLM prefills them in the same steps). As one 8k-token prompt, attention over all of them would add
     # 2.8 s that no step spends.
-    queued = LoadView(running=0, waiting=0, decode_tok_s=None, prefill_tokens=8000, prefilling=8)
+    queued = ReplicaView("a", prefill_tokens=8000, prefilling=8)
     assert cost.queue_ms(queued) == pytest.approx(40 + 0.5 * 8000 + 8 * 0.1 * 1000 * 500 / 1e3, rel=0.01)
     assert cost.recompute_ms(8000) == pytest.approx(40 + 0.5 * 8000 + 0.1 * 8000 * 4000 / 1e3, rel=0.01)
     # One queued prompt is just its own prefill.
-    assert cost.queue_ms(LoadView(0, 0, None, prefill_tokens=1000, prefilling=1)) == pytest.approx(
+    assert cost.queue_ms(ReplicaView("a", prefill_tokens=1000, prefilling=1)) == pytest.approx(
         cost.recompute_ms(1000))
 
 
@@ -592,8 +599,9 @@ def test_busy_peers_are_the_busy_engines_on_the_same_node_only():
              ReplicaView("c", running=1), ReplicaView("d", running=4)]
     out = {v.replica_id: v for v in with_busy_peers(views, {"a": "n1", "b": "n1", "c": "n2", "d": "n1"})}
     # "b" sees two busy engines beside it: a's waiting request and arrivals, d's decoding batch.
-    assert (out["b"].busy_peers, out["b"].peers) == (2, (PeerLoad(1, 10, 1.5), PeerLoad(0, 0, 0.0)))
-    assert (out["a"].busy_peers, out["a"].peers) == (1, (PeerLoad(0, 0, 0.0),))
+    assert (out["b"].busy_peers, out["b"].peers) == (2, (views[0], views[3]))
+    assert out["b"].peers[0].awaiting_first_token == 1
+    assert (out["a"].busy_peers, out["a"].peers) == (1, (views[3],))
     assert (out["c"].busy_peers, out["c"].peers) == (0, ())
 
 
@@ -733,7 +741,7 @@ def test_replicas_with_a_gpu_each_do_not_slow_each_other_or_split_the_estimate_e
         cost.contention.observe((1.0,), 0.3)
         for _ in range(cost.error.MIN_SAMPLES):
             cost.error.observe(Mode.RECOMPUTE, 1, 100.0, 700.0)  # first turns under load beside busy engines
-        views = [ReplicaView("a", peers=(PeerLoad(waiting=1, prefill_tokens=500),))]
+        views = [ReplicaView("a", peers=(peer(waiting=1, prefill_tokens=500),))]
         plan = plan_turn(500, lookup(500), views, cost)
         if shared:  # CPU replicas of one node: a busy peer slows the turn and its error is its own kind
             assert plan.busy_peers == 1 and cost.slowdown(1) == pytest.approx(1.3)

@@ -16,7 +16,8 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats, Sampling
-from app.turns import Turn, TurnRunner
+from app.turn_types import Turn
+from app.turns import TurnRunner
 from kvtransfer.cost_model import CostModel
 from kvtransfer.types import LookupResult
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from actors.prefix_hash import PrefixKey, Scope
 from app.recent_prompts import RecentPrompts
+from kvtransfer.prefix_key import PrefixKey, Scope
 
 BLOCK = 16
 TENANT = Scope("model", "tenant-a")

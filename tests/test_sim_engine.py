@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from actors.kv_events import ResidentTracker
-from actors.prefix_hash import PrefixKey, Scope
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.sim.block_cache import PrefixCache, external_block_hash, vllm_block_hashes
 from kvtransfer.sim.engine import SimEngine, SimRequest
 from kvtransfer.sim.profile import EngineProfile, load_profile
@@ -134,7 +134,6 @@ def test_shipped_profiles_load_with_a_source_for_every_number():
 def test_a_fleet_of_eight_modelled_replicas_serves_a_multi_turn_workload_with_pulls():
     from benchmarks.fleet_sim import Fleet
     from benchmarks.fleet_workloads import Dist, Workload
-    from configs.app import Policy
 
     # Long histories (20k-30k tokens: recomputing one takes longer than pulling it) and half a second's thought
     # between turns: some holders are busy when their conversations' next turns come, and an idle replica pulls
@@ -144,7 +143,7 @@ def test_a_fleet_of_eight_modelled_replicas_serves_a_multi_turn_workload_with_pu
                         user_tokens=Dist(kind="uniform", min=40, max=60),
                         output_tokens=Dist(kind="uniform", min=100, max=200), concurrency=64,
                         think_time_s=Dist(kind="exponential", mean=0.5))
-    result = Fleet(load_profile("h100-llama-3.1-8b"), 8, Policy.KVRELAY, seed=1).run(workload)
+    result = Fleet(load_profile("h100-llama-3.1-8b"), 8, "kvrelay", seed=1).run(workload)
     assert len(result.records) == 64 * 4
     modes = {r.mode for r in result.records}
     assert modes == {"local", "pull", "recompute"} and result.counters["pulls"] > 0

@@ -87,10 +87,12 @@ def test_another_api_key_sending_the_same_prompt_to_the_replica_holding_the_kv_r
 
 def drop_tenant_from_scope(monkeypatch: pytest.MonkeyPatch) -> None:
     """The directory scope without its tenant: one scope per model, so turns find every tenant's holds."""
-    from actors.prefix_hash import Scope
-    from app import turns
+    from app import holds, turns
+    from kvtransfer.prefix_key import Scope
 
-    monkeypatch.setattr(turns, "Scope", lambda model, tenant: Scope(model, ""))
+    # Both places a turn's key is scoped: its lookup (the runner) and the hold it leaves (its record).
+    for module in (turns, holds):
+        monkeypatch.setattr(module, "Scope", lambda model, tenant: Scope(model, ""))
 
 
 def send_no_cache_salt(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,9 +110,10 @@ async def in_process_runner_send(app: ServedApp, session: str) -> Send:
     replace a piece of it. It plans with an uncalibrated cost model, to which idle replicas are exactly equal."""
     from ray import serve
 
-    from actors.directory_mirror import DirectoryMirror
     from actors.replica_api import Sampling
-    from app.turns import Turn, TurnRunner
+    from app.directory_mirror import DirectoryMirror
+    from app.turn_types import Turn
+    from app.turns import TurnRunner
     from kvtransfer.cost_model import CostModel
     from kvtransfer.kv_shape import KVShape
     from model_prep.store import model_path

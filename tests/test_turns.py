@@ -244,11 +244,12 @@ def test_a_turn_is_answered_at_its_last_token_and_the_engine_stream_is_still_rea
     from ray import serve
     from vllm.sampling_params import SamplingParams
 
-    from actors.directory_mirror import DirectoryMirror
     from actors.replica_api import GenerateDelta
-    from app.turns import Turn, TurnRunner
+    from app.directory_mirror import DirectoryMirror
+    from app.turn_types import Turn
+    from app.turns import TurnRunner
     from kvtransfer.cost_model import CostModel
-    from kvtransfer.planner import Mode
+    from kvtransfer.options import Mode
     from tests.conftest import DIRECTORY_BLOCK_SIZE
     from tests.test_directory_mirror import identity, stats
 

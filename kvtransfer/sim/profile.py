@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "configs" / "profiles"
+from configs.engine import SIM_PROFILES_DIR
 
 
 class Link(BaseModel):
@@ -111,8 +111,8 @@ def load_profile(name_or_path: str | Path) -> EngineProfile:
     """A profile by name (`configs/profiles/NAME.json`) or path."""
     path = Path(name_or_path)
     if path.suffix != ".json":
-        path = PROFILES_DIR / f"{name_or_path}.json"
+        path = SIM_PROFILES_DIR / f"{name_or_path}.json"
     if not path.exists():
-        known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+        known = sorted(p.stem for p in SIM_PROFILES_DIR.glob("*.json"))
         raise FileNotFoundError(f"no engine profile {name_or_path!r}; known: {known}")
     return EngineProfile.model_validate(json.loads(path.read_text()))

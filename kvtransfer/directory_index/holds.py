@@ -11,8 +11,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from actors.kv_directory.chains import ChainIndex, H
-from actors.kv_directory.records import (
+from kvtransfer.directory_index.chains import ChainIndex, H
+from kvtransfer.directory_index.records import (
     HOLD_BYTES,
     PROMPT_END_BYTES,
     REF_BITS,
@@ -23,8 +23,8 @@ from actors.kv_directory.records import (
     deep_size,
     new_tuple,
 )
-from actors.kv_directory.results import RecordResult
-from actors.prefix_hash import TOKEN_BYTES, BlockHash, PrefixKey, Scope
+from kvtransfer.directory_index.results import RecordResult
+from kvtransfer.prefix_key import TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from kvtransfer.types import Hold, HoldOffer
 
 

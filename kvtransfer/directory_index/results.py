@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from actors.prefix_hash import BlockHash
+from kvtransfer.prefix_key import BlockHash
 
 
 class RecordResult(NamedTuple):

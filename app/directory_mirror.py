@@ -1,6 +1,6 @@
 """An ingress's own copy of the KV directory, so that planning a turn makes no remote call.
 
-The mirror follows the directory actor's change feed (`actors/directory_changes.py`) from a background task
+The mirror follows the directory actor's change feed (`kvtransfer/directory_index/changes.py`) from a background task
 and answers `lookup` and `live` locally, as llm-d's and Dynamo's routers keep their block index in-process.
 The actor stays the record and the only place a hold is consumed: `consume_hold` asks it, and uses the hold
 only if it is the very one this mirror offered. A mirror that lags costs speed (a missed reuse, a hold
@@ -19,11 +19,11 @@ import time
 from collections import deque
 from typing import Any
 
-from actors.directory_changes import Changes
-from actors.kv_directory.index import KVDirectory
-from actors.prefix_hash import PrefixKey
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
+from kvtransfer.directory_index.changes import Changes
+from kvtransfer.directory_index.index import KVDirectory
+from kvtransfer.prefix_key import PrefixKey
 from kvtransfer.types import Hold, LookupResult
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from actors.kv_directory.records import NODE_BYTES, REF_BITS, REF_MASK, HoldRecord, Node, ReplicaRecord, Segment
-from actors.prefix_hash import HASH_BYTES, BlockHash, PrefixKey, Scope
+from kvtransfer.directory_index.records import NODE_BYTES, REF_BITS, REF_MASK, HoldRecord, Node, ReplicaRecord, Segment
+from kvtransfer.prefix_key import HASH_BYTES, BlockHash, PrefixKey, Scope
 
 H = HASH_BYTES  # a key's block hashes are packed: block d (1-based depth) is hashes[(d - 1) * H : d * H]
 

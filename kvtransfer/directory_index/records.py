@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from actors.prefix_hash import HASH_BYTES, BlockHash
+from kvtransfer.prefix_key import HASH_BYTES, BlockHash
 from kvtransfer.types import Hold
 
 # NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.

@@ -1,6 +1,6 @@
 """The KV directory's change feed: every update the directory actor applies, in order, for its mirrors.
 
-Each ingress keeps a mirror of the directory (`actors/directory_mirror.py`) so that planning a turn makes no
+Each ingress keeps a mirror of the directory (`app/directory_mirror.py`) so that planning a turn makes no
 remote call; the actor stays the record (a restarted ingress resyncs from it) and the only place a hold is
 consumed. A mirror long-polls `changes(epoch, since)`: the updates after sequence number `since`, or, when it
 is new, behind the log's window, or the directory restarted (another epoch), a snapshot to start from (fetched

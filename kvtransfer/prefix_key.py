@@ -24,7 +24,7 @@ TOKEN_BYTES = 4
 _HASH_VERSION = "kvrelay-prefix-v1"
 
 if array("I").itemsize != TOKEN_BYTES:  # pragma: no cover - exotic platforms only
-    raise ImportError("prefix_hash needs a 4-byte array('I'); this platform's is different")
+    raise ImportError("prefix_key needs a 4-byte array('I'); this platform's is different")
 
 BlockHash = bytes
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from actors.kv_directory.chains import H
-from actors.kv_directory.holds import HoldIndex
-from actors.kv_directory.records import (
+from kvtransfer.directory_index.chains import H
+from kvtransfer.directory_index.holds import HoldIndex
+from kvtransfer.directory_index.records import (
     NODE_BYTES,
     REF_BITS,
     REF_MASK,
@@ -23,9 +23,9 @@ from actors.kv_directory.records import (
     bits,
     new_tuple,
 )
-from actors.kv_directory.resident import ResidentIndex
-from actors.kv_directory.results import DirectoryStats
-from actors.prefix_hash import TOKEN_BYTES, BlockHash, PrefixKey, Scope
+from kvtransfer.directory_index.resident import ResidentIndex
+from kvtransfer.directory_index.results import DirectoryStats
+from kvtransfer.prefix_key import TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from kvtransfer.types import HoldingKind, LookupResult, ReplicaMatch
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from actors.kv_directory.chains import ChainIndex
-from actors.kv_directory.records import REF_BITS, RESIDENT_BYTES, SEGMENT_BYTES, ReplicaRecord, Segment
-from actors.kv_directory.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
-from actors.prefix_hash import BlockHash
+from kvtransfer.directory_index.chains import ChainIndex
+from kvtransfer.directory_index.records import REF_BITS, RESIDENT_BYTES, SEGMENT_BYTES, ReplicaRecord, Segment
+from kvtransfer.directory_index.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
+from kvtransfer.prefix_key import BlockHash
 
 
 class ResidentIndex(ChainIndex):

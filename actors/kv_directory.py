@@ -8,12 +8,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from actors.directory_changes import ChangeLog, Changes, Snapshot
-from actors.kv_directory.index import KVDirectory
-from actors.kv_directory.results import DirectoryStats, RecordResult, ResidentOp, ResidentResult
-from actors.prefix_hash import PrefixKey, Scope
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
+from kvtransfer.directory_index.changes import ChangeLog, Changes, Snapshot
+from kvtransfer.directory_index.index import KVDirectory
+from kvtransfer.directory_index.results import DirectoryStats, RecordResult, ResidentOp, ResidentResult
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.types import Hold, LookupResult
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class KVDirectoryActor:
 
     Methods are `async` and, but for `changes`, never await, so each runs atomically on the actor's event
     loop; callers `await handle.method.remote(...)` and never block theirs. Every update is also appended to
-    a change feed (`actors/directory_changes.py`) that each ingress's mirror follows. After a crash the
+    a change feed (`kvtransfer/directory_index/changes.py`) that each ingress's mirror follows. After a crash the
     actor comes back empty with a new epoch; event forwarders re-report their replicas' caches and mirrors
     resync.
     """

@@ -1,0 +1,111 @@
+"""How busy each replica is as this ingress sees it: the replicas' heartbeats, reconciled with the requests this
+ingress has sent since (its own in flight now, and their arrival rates), as the planner's `ReplicaView`s."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from actors.replica_api import ReplicaStats
+from kvtransfer.load import ReplicaView
+from kvtransfer.prefix_key import BlockHash, PrefixKey
+
+
+class InFlight:
+    """This ingress's own requests per replica, reconciled with the replicas' heartbeats.
+
+    A heartbeat is up to half a second old: it still counts requests that have ended since, and misses those
+    sent since. This keeps each own request's start and end (wall clock, the heartbeat's clock too) so a view
+    counts what the heartbeat saw of others, plus what this ingress has in flight now. Not thread-safe.
+    """
+
+    RETAIN_S = 5.0  # ended requests are kept this long, longer than any heartbeat is old
+    RATE_WINDOW_S = 10.0  # arrival rates count the requests sent this long ago at most
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        # replica -> request id -> [started_at, ended_at or None, prompt tokens still to prefill or None]
+        self._requests: dict[str, dict[str, list]] = {}
+        # replica -> (start time, where its prompt ended: `PrefixKey.prompt_end`) of requests within the rate window
+        self._arrivals: dict[str, deque[tuple[float, BlockHash | None]]] = {}
+
+    def started(self, replica_id: str, request_id: str, new_tokens: int, prompt_end: BlockHash | None = None) -> None:
+        now = self._clock()
+        self._requests.setdefault(replica_id, {})[request_id] = [now, None, new_tokens]
+        self._arrivals.setdefault(replica_id, deque()).append((now, prompt_end))
+
+    def now(self) -> float:
+        return self._clock()
+
+    def arrival_rate(self, replica_id: str, conversation: PrefixKey | None = None) -> float:
+        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S, not counting the
+        earlier turns of `conversation` (a turn's prompt): the traffic a placement of its next turn would slow is
+        the other conversations'. Counted with its own, a conversation living on the quieter of two busy engines
+        saw its own turns there as traffic its stay elsewhere would slow, and two engines holding two conversations
+        each priced staying and moving alike: both stayed busy side by side for the rest of those conversations."""
+        arrivals = self._arrivals.get(replica_id)
+        if not arrivals:
+            return 0.0
+        while arrivals and arrivals[0][0] < self._clock() - self.RATE_WINDOW_S:
+            arrivals.popleft()
+        count = len(arrivals)
+        if conversation is not None:
+            count -= sum(1 for _, end in arrivals if end is not None and conversation.has_block(end))
+        return count / self.RATE_WINDOW_S
+
+    def busy_share(self, replica_id: str, since: float, until: float) -> float:
+        """The share of [since, until] (this clock) during which this ingress had a request in flight on the
+        replica; ended requests are kept RETAIN_S, so `since` should be more recent than that."""
+        if until <= since:
+            return 0.0
+        spans = sorted((max(start, since), min(until, ended if ended is not None else until))
+                       for start, ended, _ in self._requests.get(replica_id, {}).values())
+        covered, reached = 0.0, since
+        for start, end in spans:
+            start = max(start, reached)
+            if end > start:
+                covered += end - start
+                reached = end
+        return covered / (until - since)
+
+    def moved(self, from_replica: str, to_replica: str, request_id: str) -> None:
+        """The request runs on `to_replica`, not where it was accounted (Serve chose: a P/D decode stage, or a
+        target Serve no longer routes to): count it there from now on, so the replica's heartbeats are reconciled
+        with it and its end is seen."""
+        entry = self._requests.get(from_replica, {}).pop(request_id, None)
+        if entry is not None:
+            self._requests.setdefault(to_replica, {})[request_id] = entry
+
+    def first_token(self, replica_id: str, request_id: str) -> None:
+        entry = self._requests.get(replica_id, {}).get(request_id)
+        if entry is not None:
+            entry[2] = None
+
+    def ended(self, replica_id: str, request_id: str) -> None:
+        now = self._clock()
+        mine = self._requests.get(replica_id, {})
+        if request_id in mine:
+            mine[request_id][1] = now
+        for rid in [rid for rid, (_, ended, _) in mine.items() if ended is not None and now - ended > self.RETAIN_S]:
+            del mine[rid]
+
+    def view(self, stats: ReplicaStats, conversation: PrefixKey | None = None) -> ReplicaView:
+        """The planner's view of a replica for a turn whose prompt is `conversation`: others' requests as of its
+        heartbeat, and this ingress's now; its arrival rate without the conversation's own turns."""
+        mine = self._requests.get(stats.replica_id, {}).values()
+        seen_by_heartbeat = sum(
+            1 for started, ended, _ in mine if started <= stats.at and (ended is None or ended > stats.at)
+        )
+        live = [(started, pending) for started, ended, pending in mine if ended is None]
+        others = max(0, stats.running + stats.waiting - seen_by_heartbeat)
+        prefilling = [pending for _, pending in live if pending is not None]
+        return ReplicaView(
+            stats.replica_id,
+            running=others + len(live) - len(prefilling),
+            waiting=0,
+            decode_tok_s=stats.decode_tok_s,
+            prefill_tokens=sum(prefilling),
+            prefilling=len(prefilling),
+            arrival_rate=self.arrival_rate(stats.replica_id, conversation),
+        )

@@ -1,0 +1,74 @@
+"""What the planner weighs for a turn: the live replicas as it sees them, and the options they offer (a target
+replica with a mode: reuse its prefix cache, pull, or recompute), each priced by the cost model.
+
+The planner builds the options (`kvtransfer/planner.py`) and a placement policy picks one (`kvtransfer/policies/`);
+both read these types, so a policy depends on this module and never on the planner.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import NamedTuple
+
+from kvtransfer.cost_model import CostModel
+from kvtransfer.load import ReplicaView
+from kvtransfer.types import HoldOffer
+
+
+class Mode(StrEnum):
+    LOCAL = "local"  # the target's own prefix cache holds part of the history
+    PULL = "pull"  # the target pulls the history's KV from the holder over NIXL
+    RECOMPUTE = "recompute"  # the target computes the whole prompt
+
+
+# Of two options this close in cost, neither is clearly faster: an estimate is a fit with errors of a few
+# milliseconds (`fastest` lets affinity decide within it; the kvrelay policy leaves a turn's home only beyond it).
+STAY_MARGIN_MS = 5.0
+
+
+class Option(NamedTuple):
+    mode: Mode
+    replica_id: str
+    holder: str | None
+    reused_tokens: int
+    # The part of reused_tokens found in the target's own prefix cache (the rest is pulled).
+    cached_tokens: int
+    estimate_ms: float
+    hold: HoldOffer | None = None
+    # The fits' estimate before the planner's measured error scaled it (what that error is learned against).
+    model_ms: float = 0.0
+    # Delay this option imposes on other requests' first tokens: on its target, or on busy engines beside it.
+    impact_ms: float = 0.0
+
+    @property
+    def cost_ms(self) -> float:
+        """What the kvrelay policy minimizes: this turn's time to first token plus the delay it causes others."""
+        return self.estimate_ms + self.impact_ms
+
+
+def contending_peers(replica: ReplicaView, cost: CostModel) -> int:
+    """The busy engines beside `replica` that slow it: all of them where a node's engines share compute (CPU
+    replicas, `CostModel.shared_compute`), else none. The planner's estimate error is kept apart for turns beside
+    busy engines (their estimates also carry the contention fit's miss); where each engine has its own GPU, the
+    node's other busy GPUs are no such thing, and splitting by them charged a holder beside busy GPUs the error
+    that first turns made under load, so later turns left their cached history for a GPU on a quieter node
+    (modelled: H100 profile, think-time workload, `benchmarks.fleet`)."""
+    return replica.busy_peers if cost.shared_compute else 0
+
+
+def fastest(options: Sequence[Option], preferred_replica: str | None, rotation: int = 0) -> Option:
+    """The option with the lowest cost; within 2% and STAY_MARGIN_MS of it, the preferred replica's (replicas'
+    measured speeds differ by a few percent, and a short turn's estimates by a few milliseconds of noise). Of options
+    that cost exactly the same, the one reusing more; then (idle replicas alike) in an order that `rotation`
+    shuffles: taking the first listed sent every new conversation without a session to the same idle replica
+    until it was busy, and a fleet's first turns queued on its first few replicas (modelled: 16 H100 replicas)."""
+    best_ms = min(o.cost_ms for o in options)
+
+    def rank(o: Option) -> tuple[bool, float, float, int, int]:
+        near_best = o.cost_ms <= best_ms * 1.02 + STAY_MARGIN_MS
+        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.cost_ms,
+                -o.reused_tokens, zlib.crc32(f"{rotation}:{o.replica_id}".encode()))
+
+    return min(options, key=rank)

@@ -1,0 +1,65 @@
+"""kvrelay's own policy: the option with the lowest cost as the planner priced it (the turn's time to first token
+plus the delay it imposes on others' first tokens), except that a turn leaves the replica caching most of its
+history only for an option clearly cheaper than staying."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtransfer.cost_model import CostModel
+from kvtransfer.options import STAY_MARGIN_MS, Mode, Option, contending_peers, fastest
+from kvtransfer.policies.base import PlacementPolicy, PolicyContext, register
+
+# A turn leaves the replica that caches most of its history only for an option estimated at least this much
+# faster (this fraction and STAY_MARGIN_MS both): an estimate is a fit with errors of about this size, and a move
+# costs a transfer, a second copy of the KV and the stay replica's warm cache for the next turn.
+STAY_MARGIN = 0.10
+
+
+@register
+class KvrelayPolicy(PlacementPolicy):
+    name = "kvrelay"
+    pulls = True
+
+    def choose(self, options: Sequence[Option], context: PolicyContext) -> Option:
+        best = fastest(options, context.preferred_replica, context.rotation)
+        # A conversation's first turn has no history of its own to stay with: what it finds cached is a prefix other
+        # conversations share (a system prompt), which any replica can compute once and then keep.
+        if context.turn_index == 0:
+            return best
+        peers = {r.replica_id: contending_peers(r, context.cost) for r in context.replicas}
+        return stay_unless_clearly_faster(options, best, context.cost, peers)
+
+
+def stay_unless_clearly_faster(
+    options: Sequence[Option], best: Option, cost: CostModel, busy_peers: dict[str, int]
+) -> Option:
+    """`best` (the cheapest option, by `fastest`), unless it leaves the replica caching the longest part of the
+    history, or pulls onto it what it could compute from its own cache, without costing at least STAY_MARGIN and
+    STAY_MARGIN_MS less than staying there, and less by more than the planner's measured uncertainty for the two
+    kinds of turn (`departure_noise_ms`). A pull costs more than its estimate shows: the holder's CPU for the
+    transfer, and a second copy of the KV (measured in P/D, where kvrelay pulled onto the prefill replica whenever
+    the estimate was a few percent lower: every turn of that run came slower than on the replica's own cache alone).
+    And a gain within what the estimates miss by is no gain: with a badly calibrated cost model (an error offset
+    learned on other turns, a kind with few samples) the planner keeps the affinity choice instead of moving on
+    noise."""
+    stays = [o for o in options if o.mode is Mode.LOCAL]
+    if not stays:
+        return best
+    most = max(o.reused_tokens for o in stays)
+    homes = {o.replica_id for o in stays if o.reused_tokens == most}
+    stay = min((o for o in stays if o.replica_id in homes), key=lambda o: o.cost_ms)
+    if best.replica_id == stay.replica_id and best.mode is not Mode.PULL:
+        return best
+    noise = departure_noise_ms(stay, best, cost, busy_peers)
+    if best.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS - noise:
+        return best
+    return stay
+
+
+def departure_noise_ms(stay: Option, move: Option, cost: CostModel, busy_peers: dict[str, int]) -> float:
+    """How much of a move's estimated gain over staying could be the estimates' own error: the two kinds' measured
+    uncertainties (`EstimateError.uncertainty_ms`), combined as independent errors."""
+    u_stay = cost.error.uncertainty_ms(stay.mode, busy_peers.get(stay.replica_id, 0))
+    u_move = cost.error.uncertainty_ms(move.mode, busy_peers.get(move.replica_id, 0))
+    return (u_stay**2 + u_move**2) ** 0.5
