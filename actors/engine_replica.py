@@ -26,14 +26,13 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 
 from actors.directory_reporter import DirectoryReporter
 from actors.engine_site import choose_site, node_identity, replica_place
-from actors.engine_stats import EngineStats
+from actors.engine_stats import EngineStats, ReportsLoad
 from actors.replica_api import (
     GenerateDelta,
     GenerateRequest,
     HoldRelease,
     InvalidRequestError,
     ReplicaIdentity,
-    ReplicaStats,
 )
 from actors.vllm_engine import (
     HoldStepper,
@@ -78,7 +77,7 @@ def token_logprobs(token_ids: Sequence[int], logprobs: Any, top: int | None) -> 
     return GenerateLogProbs(content=content)
 
 
-class EngineReplica:
+class EngineReplica(ReportsLoad):
     """One vLLM engine. Methods are coroutines run on the replica's single event loop."""
 
     HEARTBEAT_S = 0.5
@@ -315,25 +314,6 @@ class EngineReplica:
             fast_prefill=self.config.fast_prefill,
             block_size=self.config.block_size,
         )
-
-    async def stats(self) -> ReplicaStats:
-        return self._stats_now()
-
-    def _stats_now(self) -> ReplicaStats:
-        return self.load.replica_stats(self.replica_id, self.pool, self.node_id)
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it."""
-        return self.load.autoscaling()
-
-    async def metrics(self, probe: dict[str, Any]) -> str:
-        """The process's Prometheus metrics in text format, vLLM's `vllm:*` among them (AsyncLLM records them here).
-
-        `probe` only carries `target_replica`, so the replica router sends the call to this replica.
-        """
-        from prometheus_client import REGISTRY, generate_latest
-
-        return generate_latest(REGISTRY).decode()
 
     async def check_health(self) -> None:
         """Serve calls this periodically; a dead engine makes the replica restart."""

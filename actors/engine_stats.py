@@ -151,3 +151,31 @@ class EngineStats:
             KV_CACHE_USAGE: float(self._kv_cache_usage),
             TTFT_MS: recent[int(0.9 * (len(recent) - 1))] if recent else 0.0,
         }
+
+
+class ReportsLoad:
+    """The calls any engine replica, real or simulated, answers about its load: the planner's and the directory's
+    figures (`stats`, each heartbeat's `_stats_now`), Serve's autoscaling figures, and the process's Prometheus
+    metrics. The replica sets `load` (its `EngineStats`), `replica_id`, `pool` and `node_id`."""
+
+    load: EngineStats
+    replica_id: str
+    pool: str
+    node_id: str
+
+    async def stats(self) -> ReplicaStats:
+        return self._stats_now()
+
+    def _stats_now(self) -> ReplicaStats:
+        return self.load.replica_stats(self.replica_id, self.pool, self.node_id)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it."""
+        return self.load.autoscaling()
+
+    async def metrics(self, probe: dict[str, Any]) -> str:
+        """The process's Prometheus metrics in text format (a vLLM engine's `vllm:*` among them: AsyncLLM records
+        them here). `probe` only carries `target_replica`, so the replica router sends the call to this replica."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        return generate_latest(REGISTRY).decode()

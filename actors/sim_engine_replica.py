@@ -26,14 +26,13 @@ from typing import Any
 
 from actors.directory_reporter import DirectoryReporter
 from actors.engine_site import events_endpoints, node_identity, replica_place
-from actors.engine_stats import EngineStats
+from actors.engine_stats import EngineStats, ReportsLoad
 from actors.replica_api import (
     GenerateDelta,
     GenerateRequest,
     HoldRelease,
     InvalidRequestError,
     ReplicaIdentity,
-    ReplicaStats,
 )
 from configs.engine import EngineConfig
 from kvtransfer.connector import LOAD_FAILED
@@ -84,7 +83,7 @@ def vllm_event_batch(events: list[Any]) -> Any:
     ])
 
 
-class SimEngineReplica:
+class SimEngineReplica(ReportsLoad):
     """One modelled engine, stepped on the replica's event loop. Methods are coroutines on that loop."""
 
     HEARTBEAT_S = 0.5
@@ -315,22 +314,6 @@ class SimEngineReplica:
             pid=os.getpid(), cpu_cores=None, model=self.config.model, fast_prefill=self.config.fast_prefill,
             block_size=self.config.block_size, time_dilation=self.dilation,
         )
-
-    async def stats(self) -> ReplicaStats:
-        return self._stats_now()
-
-    def _stats_now(self) -> ReplicaStats:
-        return self.load.replica_stats(self.replica_id, self.pool, self.node_id)
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve calls this every metrics interval; `app.autoscaling.EngineAutoscalingPolicy` reads it."""
-        return self.load.autoscaling()
-
-    async def metrics(self, probe: dict[str, Any]) -> str:
-        """The process's Prometheus metrics in text format (`probe` routes the call to this replica)."""
-        from prometheus_client import REGISTRY, generate_latest
-
-        return generate_latest(REGISTRY).decode()
 
     async def check_health(self) -> None:
         """Serve calls this periodically: a stepping loop that died makes the replica restart."""
