@@ -270,6 +270,35 @@ def render_aiperf(results: Results) -> list[str]:
         ["policy", "TTFT p50 (ms)", "p90", "p99", "mean", "inter-token p50 (ms)", "requests", "errors"], rows)
 
 
+def render_external(results: Results) -> list[str]:
+    data = results["multi_turn_external.json"]
+    config = data.get("config", {})
+    rows = []
+    for policy, p in data["policies"].items():
+        rows += [[policy, f"run {r['run']}", r["p50"], r["p90"], r.get("requests"), r.get("errors"),
+                  ", ".join(f"{mode} {n}" for mode, n in r.get("modes", {}).items())] for r in p["runs"]]
+        rows.append([policy, "median", p["ttft_ms"]["p50"], p["ttft_ms"]["p90"], None, None, ""])
+    lines = [f"{config.get('conversations')} conversations, concurrency {config.get('concurrency')}, driven by aiperf "
+             f"{data.get('driver', {}).get('aiperf', '?')}; each policy's p50 and p90 are medians over its runs.",
+             ""] + table(["policy", "run", "TTFT p50 (ms)", "p90", "requests", "errors", "modes"], rows,
+                     right_from=2)
+    ratio = data.get("ratio_vs_prefix_affinity")
+    if ratio:
+        lines += ["", f"Prefix affinity's TTFT over kvrelay's: p50 {fmt(ratio['p50'])}x, p90 {fmt(ratio['p90'])}x "
+                      f"(target at least 0.97x: {'met' if data.get('target_met') else 'not met'})."]
+    keys = ("turns", "kvrelay_ttft_ms_sum", "prefix_affinity_ttft_ms_sum", "kvrelay_slower_by_10pct")
+    totals: dict[str, list[float]] = {}
+    for run in data.get("paired_turns", {}).get("runs", []):
+        for mode, m in run["by_kvrelay_mode"].items():
+            totals[mode] = [a + m[k] for a, k in zip(totals.get(mode, [0] * len(keys)), keys, strict=True)]
+    if totals:
+        lines += ["", "kvrelay's turns by the mode it chose against prefix affinity's TTFT on the same turn, all runs:",
+                  ""] + table(["kvrelay's mode", "turns", "kvrelay TTFT sum (s)", "prefix affinity's (s)",
+                               "kvrelay >10% slower"], [[mode, t[0], t[1] / 1e3, t[2] / 1e3, t[3]]
+                                                        for mode, t in totals.items()])
+    return lines
+
+
 # --- single-mechanism benchmarks ---------------------------------------------------------------------------------
 
 def render_lone(results: Results) -> list[str]:
@@ -500,6 +529,10 @@ SECTIONS: list[Section] = [
     Section("Multi-turn routing driven by aiperf", ("aiperf_multi_turn.json",),
             "The quick workload's conversations sent by NVIDIA's aiperf, which times the first token itself.",
             render_aiperf),
+    Section("Multi-turn routing, external-style: a fresh app per policy", ("multi_turn_external.json",),
+            "kvrelay against prefix affinity as an outside user measures them: aiperf's multi-turn mode against the "
+            "app as `make serve` starts it, a fresh one per policy and run (`benchmarks.multi_turn_external`).",
+            render_external),
     Section("A lone conversation", ("lone_conversation.json",),
             "One conversation on an idle fleet: whether it stays with its KV, and how close the estimates are.",
             render_lone),
