@@ -22,6 +22,8 @@ import argparse
 import json
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,26 +88,30 @@ def last_plan(raw: dict[str, Any]) -> dict[str, Any] | None:
     return json.loads(header) if header else None
 
 
-def modes_of(turns: dict[tuple[str, int], dict[str, Any]]) -> dict[str, int]:
-    modes: dict[str, int] = {}
-    for turn in turns.values():
-        modes[turn.get("mode") or "?"] = modes.get(turn.get("mode") or "?", 0) + 1
-    return dict(sorted(modes.items()))
+def count(turns: dict[tuple[str, int], dict[str, Any]], field: str) -> Counter[str]:
+    return Counter(turn.get(field) or "?" for turn in turns.values())
 
 
-def paired_by_mode(kvrelay: dict[tuple[str, int], dict[str, Any]],
-                   baseline: dict[tuple[str, int], dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """kvrelay's turns grouped by the mode it chose, each against prefix affinity's TTFT on the same conversation and
-    turn of the same run: where kvrelay's choices gain and where they lose."""
+def paired(kvrelay: dict[tuple[str, int], dict[str, Any]],
+           baseline: dict[tuple[str, int], dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """kvrelay's turns grouped by the mode it chose and by its replica (busiest first), each against prefix
+    affinity's TTFT on the same conversation and turn of the same run: where kvrelay's choices gain and lose."""
+    rank = {replica: n for n, (replica, _) in enumerate(count(kvrelay, "replica").most_common(), 1)}
+    return {"by_kvrelay_mode": paired_groups(kvrelay, baseline, lambda turn: turn.get("mode") or "?"),
+            "by_kvrelay_replica": paired_groups(kvrelay, baseline,
+                                                lambda turn: f"replica {rank[turn.get('replica') or '?']}")}
+
+
+def paired_groups(kvrelay: dict[tuple[str, int], dict[str, Any]], baseline: dict[tuple[str, int], dict[str, Any]],
+                  group_of: Callable[[dict[str, Any]], str]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[tuple[float, float, int]]] = {}
     for key, turn in kvrelay.items():
         if key in baseline:
-            groups.setdefault(turn.get("mode") or "?", []).append(
-                (turn["ttft_ms"], baseline[key]["ttft_ms"], key[1]))
+            groups.setdefault(group_of(turn), []).append((turn["ttft_ms"], baseline[key]["ttft_ms"], key[1]))
     out = {}
-    for mode, pairs in sorted(groups.items()):
+    for group, pairs in sorted(groups.items()):
         ours, theirs = [p[0] for p in pairs], [p[1] for p in pairs]
-        out[mode] = {
+        out[group] = {
             "turns": len(pairs),
             "kvrelay_ttft_ms_p50": percentile(ours, 0.5),
             "prefix_affinity_ttft_ms_p50": percentile(theirs, 0.5),
@@ -154,14 +160,18 @@ def one_run(args: argparse.Namespace, config: Any, model: str, tokenizer_dir: Pa
         print(f"run {run} {policy}: processes of the app still running after its stop: {left}", flush=True)
     turns = turn_plans(artifacts)
     figures = {
-        "run": run, "policy": policy, **summary, "modes": modes_of(turns),
+        "run": run, "policy": policy, **summary, "modes": dict(sorted(count(turns, "mode").items())),
+        # Turns per replica, busiest first: prefix affinity keeps every conversation that shares a system prompt
+        # where that prompt was first cached.
+        "requests_per_replica": sorted(count(turns, "replica").values(), reverse=True),
         "app_ready_s": round(ready_s, 1), "aiperf_s": round(aiperf_s, 1),
         "planner_counters": stats.get("counters"), "cost_model": stats.get("cost_model"),
         "processes_left_after_stop": len(left), "artifacts": str(folder),
     }
     t = summary["ttft_ms"]
     print(f"run {run} {policy}: TTFT p50 {t['p50']:.1f} ms, p90 {t['p90']:.1f} ms, {summary['requests']} requests, "
-          f"{summary['errors']} errors, modes {figures['modes']}, aiperf {aiperf_s:.0f} s", flush=True)
+          f"{summary['errors']} errors, modes {figures['modes']}, per replica {figures['requests_per_replica']}, "
+          f"aiperf {aiperf_s:.0f} s", flush=True)
     return figures, turns
 
 
@@ -177,7 +187,8 @@ def summarize(policies: list[str], runs: list[dict[str, Any]]) -> dict[str, Any]
         by_policy[policy] = {
             "ttft_ms": {q: percentile([r["ttft_ms"][q] for r in mine], 0.5) for q in ("p50", "p90")},
             "runs": [{"run": r["run"], **{q: round(r["ttft_ms"][q], 2) for q in ("p50", "p90", "p99", "mean")},
-                      "requests": r["requests"], "errors": r["errors"], "modes": r["modes"]} for r in mine],
+                      "requests": r["requests"], "errors": r["errors"], "modes": r["modes"],
+                      "requests_per_replica": r["requests_per_replica"]} for r in mine],
         }
     result: dict[str, Any] = {"policies": by_policy}
     if BASELINE in by_policy and "kvrelay" in by_policy:
@@ -193,14 +204,14 @@ def summarize(policies: list[str], runs: list[dict[str, Any]]) -> dict[str, Any]
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| policy | run | TTFT p50 (ms) | TTFT p90 (ms) | requests | errors | modes |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| policy | run | TTFT p50 (ms) | TTFT p90 (ms) | requests | errors | modes | per replica |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
     for policy, p in result["policies"].items():
         for r in p["runs"]:
             modes = ", ".join(f"{m} {n}" for m, n in r["modes"].items())
             lines.append(f"| {policy} | {r['run']} | {r['p50']:.1f} | {r['p90']:.1f} | {r['requests']} | "
-                         f"{r['errors']} | {modes} |")
-        lines.append(f"| {policy} | median | {p['ttft_ms']['p50']:.1f} | {p['ttft_ms']['p90']:.1f} | | | |")
+                         f"{r['errors']} | {modes} | {' / '.join(map(str, r['requests_per_replica']))} |")
+        lines.append(f"| {policy} | median | {p['ttft_ms']['p50']:.1f} | {p['ttft_ms']['p90']:.1f} | | | | |")
     if "ratio_vs_prefix_affinity" in result:
         r = result["ratio_vs_prefix_affinity"]
         lines.append(f"\nprefix affinity / kvrelay: p50 {r['p50']}, p90 {r['p90']} (target >= {TARGET_RATIO}): "
@@ -241,7 +252,7 @@ def main() -> None:
     print(f"apps' logs and aiperf's artifacts: {work}", flush=True)
     started = time.time()
     runs: list[dict[str, Any]] = []
-    paired: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []
     for run in range(config.rounds):
         conversations = synthetic_conversations(config, words, config.seed + run)
         dataset = write_dataset(work / f"run{run}.jsonl", conversations, config)
@@ -252,7 +263,7 @@ def main() -> None:
                                                 len(conversations))
             runs.append(figures)
         if BASELINE in turns_of and "kvrelay" in turns_of:
-            paired.append({"run": run, "by_kvrelay_mode": paired_by_mode(turns_of["kvrelay"], turns_of[BASELINE])})
+            pairs.append({"run": run, **paired(turns_of["kvrelay"], turns_of[BASELINE])})
     result = {
         "what": "TTFT as aiperf measures it in its multi-turn mode, a fresh app (`make serve`'s) per policy and run; "
                 "each policy's ttft_ms p50 and p90 are the medians over its runs of each run's own p50 and p90",
@@ -260,8 +271,9 @@ def main() -> None:
         "app": {"config": "serve_config.yaml", "model": model, "replicas": REPLICAS},
         "config": config.model_dump(exclude={"model", "num_replicas", "pool", "engine"}),
         **summarize(config.policies, runs),
-        "paired_turns": {"what": "kvrelay's turns by the mode it chose, against prefix affinity's TTFT on the same "
-                                 "conversation and turn of the same run", "runs": paired},
+        "paired_turns": {"what": "kvrelay's turns by the mode it chose and by its replica (busiest first), against "
+                                 "prefix affinity's TTFT on the same conversation and turn of the same run",
+                         "runs": pairs},
         "run_details": runs,
         "artifacts": str(work),
         "seconds": round(time.time() - started, 1),

@@ -276,26 +276,30 @@ def render_external(results: Results) -> list[str]:
     rows = []
     for policy, p in data["policies"].items():
         rows += [[policy, f"run {r['run']}", r["p50"], r["p90"], r.get("requests"), r.get("errors"),
-                  ", ".join(f"{mode} {n}" for mode, n in r.get("modes", {}).items())] for r in p["runs"]]
-        rows.append([policy, "median", p["ttft_ms"]["p50"], p["ttft_ms"]["p90"], None, None, ""])
+                  ", ".join(f"{mode} {n}" for mode, n in r.get("modes", {}).items()),
+                  " / ".join(str(n) for n in r.get("requests_per_replica", []))] for r in p["runs"]]
+        rows.append([policy, "median", p["ttft_ms"]["p50"], p["ttft_ms"]["p90"], None, None, "", ""])
     lines = [f"{config.get('conversations')} conversations, concurrency {config.get('concurrency')}, driven by aiperf "
              f"{data.get('driver', {}).get('aiperf', '?')}; each policy's p50 and p90 are medians over its runs.",
-             ""] + table(["policy", "run", "TTFT p50 (ms)", "p90", "requests", "errors", "modes"], rows,
-                     right_from=2)
+             ""]
+    lines += table(["policy", "run", "TTFT p50 (ms)", "p90", "requests", "errors", "modes", "requests per replica"],
+                   rows, right_from=2)
     ratio = data.get("ratio_vs_prefix_affinity")
     if ratio:
         lines += ["", f"Prefix affinity's TTFT over kvrelay's: p50 {fmt(ratio['p50'])}x, p90 {fmt(ratio['p90'])}x "
                       f"(target at least 0.97x: {'met' if data.get('target_met') else 'not met'})."]
     keys = ("turns", "kvrelay_ttft_ms_sum", "prefix_affinity_ttft_ms_sum", "kvrelay_slower_by_10pct")
-    totals: dict[str, list[float]] = {}
-    for run in data.get("paired_turns", {}).get("runs", []):
-        for mode, m in run["by_kvrelay_mode"].items():
-            totals[mode] = [a + m[k] for a, k in zip(totals.get(mode, [0] * len(keys)), keys, strict=True)]
-    if totals:
-        lines += ["", "kvrelay's turns by the mode it chose against prefix affinity's TTFT on the same turn, all runs:",
-                  ""] + table(["kvrelay's mode", "turns", "kvrelay TTFT sum (s)", "prefix affinity's (s)",
-                               "kvrelay >10% slower"], [[mode, t[0], t[1] / 1e3, t[2] / 1e3, t[3]]
-                                                        for mode, t in totals.items()])
+    for grouping, label, header in (("by_kvrelay_mode", "the mode it chose", "kvrelay's mode"),
+                                    ("by_kvrelay_replica", "its replica", "kvrelay's replica (busiest first)")):
+        totals: dict[str, list[float]] = {}
+        for run in data.get("paired_turns", {}).get("runs", []):
+            for group, m in run.get(grouping, {}).items():
+                totals[group] = [a + m[k] for a, k in zip(totals.get(group, [0] * len(keys)), keys, strict=True)]
+        if totals:
+            lines += ["", f"kvrelay's turns by {label}, against prefix affinity's TTFT on the same turn, all runs:", ""]
+            lines += table([header, "turns", "kvrelay TTFT sum (s)", "prefix affinity's (s)",
+                            "kvrelay >10% slower"], [[group, t[0], t[1] / 1e3, t[2] / 1e3, t[3]]
+                                                     for group, t in sorted(totals.items())])
     return lines
 
 
