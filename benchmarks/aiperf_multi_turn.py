@@ -53,6 +53,11 @@ def dataset_lines(conversations: list[Conversation], config: BenchConfig) -> lis
     return lines
 
 
+def write_dataset(path: Path, conversations: list[Conversation], config: BenchConfig) -> Path:
+    path.write_text("\n".join(dataset_lines(conversations, config)) + "\n")
+    return path
+
+
 def aiperf_command(aiperf: Path, base_url: str, model: str, tokenizer_dir: Path, dataset: Path, artifacts: Path,
                    policy: str, api_key: str, config: BenchConfig, conversations: int, seed: int) -> list[str]:
     osl_mean = (config.output_tokens.min + config.output_tokens.max) / 2
@@ -76,6 +81,27 @@ def aiperf_command(aiperf: Path, base_url: str, model: str, tokenizer_dir: Path,
         "--no-server-metrics", "--no-gpu-telemetry",
         "--random-seed", str(seed), "--artifact-dir", str(artifacts), "--ui-type", "none", "--no-auto-plot",
     ]
+
+
+def aiperf_env() -> dict[str, str]:
+    """This process's environment for aiperf: its offline mode takes a tokenizer path for a hub repo id and fails; a
+    local folder needs no network anyway (aiperf resolves no alias for a path)."""
+    return {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+
+
+def aiperf_version(aiperf: Path) -> str:
+    return subprocess.run([str(aiperf), "--version"], capture_output=True, text=True).stdout.strip() or str(aiperf)
+
+
+def run_aiperf(command: list[str], artifacts: Path, label: str) -> dict[str, Any]:
+    """One aiperf run (its console output in `artifacts`.log): aiperf's summary and the median TTFT per turn."""
+    done = subprocess.run(command, cwd=artifacts.parent, env=aiperf_env(), capture_output=True, text=True)
+    log = artifacts.with_suffix(".log")
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({done.returncode}) for {label}; see {log}:\n"
+                           f"{(done.stdout + done.stderr)[-2000:]}")
+    return summary_of(read_export(artifacts)) | {"ttft_ms_p50_by_turn": ttft_by_turn(artifacts)}
 
 
 def read_export(artifacts: Path) -> dict[str, Any]:
@@ -160,27 +186,18 @@ def main() -> None:
         print(f"starting kvrelay: {model} on {config.num_replicas} replicas", flush=True)
         app = start_app(model, config.num_replicas, config.pool, throughput_optimized=True, **config.engine)
         base_url = app.direct_url or app.base_url
-    # aiperf's offline mode takes a tokenizer path for a hub repo id and fails; a local folder needs no network
-    # anyway (aiperf resolves no alias for a path).
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     runs: list[dict[str, Any]] = []
     try:
         asyncio.run(warm_up(base_url, model, rounds[0], config, run_id))
         for number, conversations in enumerate(rounds):
-            dataset = work / f"round{number}.jsonl"
-            dataset.write_text("\n".join(dataset_lines(conversations, config)) + "\n")
+            dataset = write_dataset(work / f"round{number}.jsonl", conversations, config)
             for policy in config.policies if number % 2 == 0 else config.policies[::-1]:
                 artifacts = work / f"round{number}_{policy}"
                 command = aiperf_command(args.aiperf, base_url, model, tokenizer_dir, dataset, artifacts, policy,
                                          f"aiperf-{run_id}-r{number}-{policy}", config, len(conversations),
                                          config.seed + number)
                 print(f"round {number} policy {policy}: aiperf over {len(conversations)} conversations", flush=True)
-                done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-                (artifacts.with_suffix(".log")).write_text(done.stdout + done.stderr)
-                if done.returncode != 0:
-                    raise RuntimeError(f"aiperf failed ({done.returncode}) for {policy}; see "
-                                       f"{artifacts.with_suffix('.log')}:\n{(done.stdout + done.stderr)[-2000:]}")
-                summary = summary_of(read_export(artifacts)) | {"ttft_ms_p50_by_turn": ttft_by_turn(artifacts)}
+                summary = run_aiperf(command, artifacts, policy)
                 runs.append({"round": number, "policy": policy, **summary})
                 print(f"round {number} policy {policy}: {json.dumps(summary['ttft_ms'])}", flush=True)
                 time.sleep(config.settle_s)
@@ -200,8 +217,7 @@ def main() -> None:
             "unit": mine[0]["unit"],
         }
     result = {
-        "driver": {"aiperf": subprocess.run([str(args.aiperf), "--version"], capture_output=True,
-                                            text=True).stdout.strip() or str(args.aiperf)},
+        "driver": {"aiperf": aiperf_version(args.aiperf)},
         "config": config.model_dump() | {"model": model},
         "artifacts": str(work),
         "policies": policies,

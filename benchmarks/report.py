@@ -40,6 +40,7 @@ from benchmarks.report_multi_turn import (
     multi_turn_summary,
     multi_turn_summary_rows,
     render_aiperf,
+    render_external,
     render_multi_turn,
 )
 from benchmarks.report_robustness import (
@@ -99,6 +100,10 @@ SECTIONS: list[Section] = [
     Section("Multi-turn routing driven by aiperf", ("aiperf_multi_turn.json",),
             "The quick workload's conversations sent by NVIDIA's aiperf, which times the first token itself.",
             render_aiperf),
+    Section("Multi-turn routing, external-style: a fresh app per policy", ("multi_turn_external.json",),
+            "kvrelay against prefix affinity as an outside user measures them: aiperf's multi-turn mode against the "
+            "app as `make serve` starts it, a fresh one per policy and run (`benchmarks.multi_turn_external`).",
+            render_external),
     Section("A lone conversation", ("lone_conversation.json",),
             "One conversation on an idle fleet: whether it stays with its KV, and how close the estimates are.",
             render_lone),

@@ -77,3 +77,35 @@ def render_aiperf(results: Results) -> list[str]:
     return [f"Driven by aiperf {data.get('driver', {}).get('aiperf', '?')}.", ""] + table(
         ["policy", "TTFT p50 (ms)", "p90", "p99", "mean", "inter-token p50 (ms)", "requests", "errors"], rows)
 
+
+def render_external(results: Results) -> list[str]:
+    data = results["multi_turn_external.json"]
+    config = data.get("config", {})
+    rows = []
+    for policy, p in data["policies"].items():
+        rows += [[policy, f"run {r['run']}", r["p50"], r["p90"], r.get("requests"), r.get("errors"),
+                  ", ".join(f"{mode} {n}" for mode, n in r.get("modes", {}).items()),
+                  " / ".join(str(n) for n in r.get("requests_per_replica", []))] for r in p["runs"]]
+        rows.append([policy, "median", p["ttft_ms"]["p50"], p["ttft_ms"]["p90"], None, None, "", ""])
+    lines = [f"{config.get('conversations')} conversations, concurrency {config.get('concurrency')}, driven by aiperf "
+             f"{data.get('driver', {}).get('aiperf', '?')}; each policy's p50 and p90 are medians over its runs.",
+             ""]
+    lines += table(["policy", "run", "TTFT p50 (ms)", "p90", "requests", "errors", "modes", "requests per replica"],
+                   rows, right_from=2)
+    ratio = data.get("ratio_vs_prefix_affinity")
+    if ratio:
+        lines += ["", f"Prefix affinity's TTFT over kvrelay's: p50 {fmt(ratio['p50'])}x, p90 {fmt(ratio['p90'])}x "
+                      f"(target at least 0.97x: {'met' if data.get('target_met') else 'not met'})."]
+    keys = ("turns", "kvrelay_ttft_ms_sum", "prefix_affinity_ttft_ms_sum", "kvrelay_slower_by_10pct")
+    for grouping, label, header in (("by_kvrelay_mode", "the mode it chose", "kvrelay's mode"),
+                                    ("by_kvrelay_replica", "its replica", "kvrelay's replica (busiest first)")):
+        totals: dict[str, list[float]] = {}
+        for run in data.get("paired_turns", {}).get("runs", []):
+            for group, m in run.get(grouping, {}).items():
+                totals[group] = [a + m[k] for a, k in zip(totals.get(group, [0] * len(keys)), keys, strict=True)]
+        if totals:
+            lines += ["", f"kvrelay's turns by {label}, against prefix affinity's TTFT on the same turn, all runs:", ""]
+            lines += table([header, "turns", "kvrelay TTFT sum (s)", "prefix affinity's (s)",
+                            "kvrelay >10% slower"], [[group, t[0], t[1] / 1e3, t[2] / 1e3, t[3]]
+                                                     for group, t in sorted(totals.items())])
+    return lines
