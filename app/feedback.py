@@ -54,7 +54,7 @@ class Feedback:
         """The whole turn's lessons: its estimate's error and, for a turn a client sent, how long it decoded."""
         # The calibration sets its turns' output length (1 or 256 tokens): they say nothing of how long turns decode.
         if self.observe_error(turn, plan, pull, outcome, force) and not turn.calibration:
-            self.cost.observe_output(outcome.completion_tokens)
+            self.cost.workload.observe_output(outcome.completion_tokens)
 
     def observe_error(self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
                       force: tuple[Mode, str] | None) -> bool:

@@ -2,15 +2,15 @@
 hold has expired.
 
 The planner prices a placement for the later turns its conversation will bring, from the share of turns that
-continue one (`CostModel.expected_future_turns`). The KV directory answers "continues" from pending holds
-(`KVDirectory.continues`), and a hold lasts its lease (10 s by default). Users who think longer than that between
+continue one (`WorkloadForecast.expected_future_turns`). The KV directory answers "continues" from pending
+holds (`KVDirectory.continues`), and a hold lasts its lease (10 s by default). Users who think longer than that between
 turns left no hold, so every later turn counted as a new conversation: the think-time workload (12 s between turns)
 ended with 0.0 later turns expected (a think-time run committed in 131fbb1). This keeps, per turn,
 where its prompt ends as the next turn will see it (`PrefixKey.prompt_end`, as the directory records per hold) for
 `ttl_s`, bounded in count; a later prompt that contains it as one of its blocks starts with that whole prompt.
 Block hashes are chained and scoped to the tenant, so a new conversation sharing only a system prompt, or another
 tenant's, never matches. It also keeps each turn's place in its conversation (0 for a first turn), so a turn knows
-how many came before it: how many more to expect depends on that (`CostModel.expected_future_turns`). Not
+how many came before it: how many more to expect depends on that (`WorkloadForecast.expected_future_turns`). Not
 thread-safe; the ingress's event loop only.
 """
 

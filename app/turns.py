@@ -136,7 +136,7 @@ class TurnRunner:
         self._rotation += 1
         self.plan_ms.append(plan_ms)
         if self._tracks_conversations(turn, force):
-            self.cost.observe_turn(plan.turn_index)
+            self.cost.workload.observe_turn(plan.turn_index)
             self.recent_prompts.add(self.key(turn), plan.turn_index)
 
     def _tracks_conversations(self, turn: Turn, force: tuple[Mode, str] | None) -> bool:
@@ -209,7 +209,7 @@ class TurnRunner:
 
     def _output_tokens(self, turn: Turn) -> int:
         """How many tokens the turn will decode on the replica it starts on (how long it keeps that engine busy)."""
-        return self.cost.expected_output_tokens(turn.params.max_tokens or 1)
+        return self.cost.workload.expected_output_tokens(turn.params.max_tokens or 1)
 
     def _leaves_holds(self, turn: Turn, stage: str) -> bool:
         """Whether the turn's `stage` request exports a hold: only policies that pull need them, and only where another

@@ -163,7 +163,7 @@ class Fleet:
                                                                          + len(self.by_id[i].waiting), i))
             force = (Mode.RECOMPUTE, least)
         if force is None and pulls:
-            self.cost.observe_turn(turn_index)
+            self.cost.workload.observe_turn(turn_index)
         views = self._views(conv.conv_id)
         targets = self.prefill_pool
         preferred = preferred_replica(conv.conv_id, [v.replica_id for v in views
@@ -171,7 +171,7 @@ class Fleet:
         self._rotation += 1
         lookup = self.directory.lookup(key)
         plan = plan_turn(len(prompt), lookup, views, self.cost, preferred, force, targets, policy, self._rotation,
-                         self.cost.expected_output_tokens(len(output)), self.met, turn_index)
+                         self.cost.workload.expected_output_tokens(len(output)), self.met, turn_index)
         self.result.counters[f"plans_{plan.mode.value}"] += 1
         full = prompt + output
         bs = self.profile.block_size
@@ -261,7 +261,7 @@ class Fleet:
         if len(r.output_ids) > 1 and len(engine.running) == 0 and r.first_token_at is not None:
             self.cost.observe_decode((self.now - r.first_token_at) * 1e3 / (len(r.output_ids) - 1))
         if not t.live.conv.calibration:
-            self.cost.observe_output(r.generated)
+            self.cost.workload.observe_output(r.generated)
         live = t.live
         key = live.key.extend(live.conv.turns[t.index].user_tokens)
         live.tokens = t.prompt + r.output_ids

@@ -9,8 +9,8 @@ Both are linear models fitted online by least squares over the most recent obser
 The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
 on the busy engines beside it by s for as long as the turn keeps it busy (`contention_impact_ms`; how long comes
 from the turn's prefill, its expected output tokens and the solo decode step, each measured here too), and again
-for each later turn its conversation will bring there (`expected_future_turns`, from how far recent
-conversations went beyond the turn's place in its own).
+for each later turn its conversation will bring there (`WorkloadForecast.expected_future_turns` in
+`kvtransfer/workload.py`, from how far recent conversations went beyond the turn's place in its own).
 
 The prefill fit learns from turns that had their engine and node to themselves; the slowdown from turns that
 had their engine to themselves while other engines on the node were busy (observed / solo prediction - 1, against
@@ -38,43 +38,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtransfer.estimate_error import EstimateError
+from kvtransfer.fits import OnlineLinearFit
+from kvtransfer.workload import WorkloadForecast
 
 if TYPE_CHECKING:  # the planner's view of a replica; its module prices nothing
     from kvtransfer.load import ReplicaView
-
-
-class OnlineLinearFit:
-    """Non-negative least squares over a sliding window of (features, y) samples."""
-
-    def __init__(self, names: Sequence[str], prior: Sequence[float], window: int = 64) -> None:
-        self.names = tuple(names)
-        self.coef = np.asarray(prior, dtype=float)
-        self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
-
-    def observe(self, features: Sequence[float], y: float) -> None:
-        self.samples.append((np.asarray(features, dtype=float), float(y)))
-        if len(self.samples) >= len(self.names):
-            self._refit()
-
-    def predict(self, features: Sequence[float]) -> float:
-        return float(np.dot(self.coef, features))
-
-    def _refit(self) -> None:
-        x = np.stack([f for f, _ in self.samples])
-        y = np.array([v for _, v in self.samples])
-        active = list(range(len(self.names)))
-        # Drop features whose coefficient comes out negative (a negative per-token cost is noise).
-        while active:
-            coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-            if (coef >= 0).all():
-                full = np.zeros(len(self.names))
-                full[active] = coef
-                self.coef = full
-                return
-            active.pop(int(np.argmin(coef)))
-
-    def as_dict(self) -> dict[str, float]:
-        return {n: float(c) for n, c in zip(self.names, self.coef, strict=True)} | {"samples": len(self.samples)}
 
 
 def _prefill_features(new_tokens: int, context_tokens: int) -> tuple[float, float, float]:
@@ -93,11 +61,6 @@ class CostModel:
     MIN_NODE_SAMPLES = 4
     # Busy peers (summed shares of a prefill's time) below which a prefill counts as solo.
     SOLO_SHARE = 0.1
-    # The most later turns of a conversation priced into a placement.
-    MAX_FUTURE_TURNS = 8.0
-    # Recent turns whose places in their conversations tell how many more turns to expect.
-    TURN_WINDOW = 256
-    MIN_PLACED_TURNS = 16
 
     def __init__(self, kv_bytes: Callable[[int], int], window: int = 64, shared_compute: bool = True) -> None:
         self.kv_bytes = kv_bytes
@@ -115,13 +78,10 @@ class CostModel:
         # One decode step of a request alone on its engine (a moving average over such requests).
         self.decode_step_ms = 20.0
         self._decode_samples = 0
-        # Completion tokens of recent turns (a moving average): how long a turn typically decodes.
-        self.typical_output_tokens: float | None = None
+        # How many more turns a conversation brings, and how long a turn decodes.
+        self.workload = WorkloadForecast()
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
         self.handshake_ms = 0.0
-        # Each recent turn's index in its conversation (0: a first turn; None: a continuation whose place is not
-        # known): how many more turns a turn's conversation will bring to wherever it runs (`expected_future_turns`).
-        self._turn_index: deque[int | None] = deque(maxlen=self.TURN_WINDOW)
         # Per replica: recent measured / fleet-estimated prefill ratios, and their median once there are enough.
         self._speed_ratios: dict[str, deque[float]] = {}
         self._speed: dict[str, float] = {}
@@ -211,36 +171,6 @@ class CostModel:
         per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))
         return per_peer * overlap_ms * requests
 
-    def expected_future_turns(self, index: int | None = None) -> float:
-        """How many more turns a conversation brings after its `index`-th (0: its first), at most MAX_FUTURE_TURNS.
-
-        Each conversation leaves one turn at every index it reaches, so among recent turns, those at indices above
-        `index` per turn at `index` is how many more a conversation that got this far went on to bring. A
-        conversation's last turn brings none: priced as if it went on like an average one, the last turns of
-        long conversations pulled their 3.5k-token histories to the busier engine for turns that never came
-        (a long-history multi-turn run, commit 64aa5ff: eight pulls, 370-505 ms against ~250 for
-        staying). Without `index`, or before MIN_PLACED_TURNS turns of known place: from the share c of turns that
-        continue a conversation, as if every turn were as likely to be the last: with conversations of T turns on
-        average, c = (T - 1) / T, so T - 1 = c / (1 - c). One-shot traffic (c = 0) brings none."""
-        placed = [i for i in self._turn_index if i is not None]
-        if index is not None and len(placed) >= self.MIN_PLACED_TURNS:
-            here = sum(1 for i in placed if i == index)
-            beyond = sum(1 for i in placed if i > index)
-            return min(self.MAX_FUTURE_TURNS, beyond / max(1, here))
-        share = min(self.continuation_share, self.MAX_FUTURE_TURNS / (1 + self.MAX_FUTURE_TURNS))
-        return share / (1 - share)
-
-    @property
-    def continuation_share(self) -> float:
-        """The share of recent turns that continued a conversation (0 before any was seen)."""
-        turns = self._turn_index
-        return sum(1 for i in turns if i != 0) / len(turns) if turns else 0.0
-
-    def expected_output_tokens(self, max_tokens: int) -> int:
-        """How many tokens a turn allowed `max_tokens` will decode: recent turns' average, at most `max_tokens`."""
-        typical = self.typical_output_tokens
-        return max(1, min(max_tokens, round(typical) if typical is not None else max_tokens))
-
     # ---------------------------------------------------------------- calibration (mutates)
 
     def observe_prefill(
@@ -290,17 +220,6 @@ class CostModel:
             weight = 0.2 if self._decode_samples > 1 else 1.0  # the first measurement replaces the prior
             self.decode_step_ms = (1 - weight) * self.decode_step_ms + weight * step_ms
 
-    def observe_output(self, completion_tokens: int) -> None:
-        """A finished turn's completion length (mutates the moving average)."""
-        if completion_tokens > 0:
-            prev = self.typical_output_tokens
-            self.typical_output_tokens = completion_tokens if prev is None else 0.9 * prev + 0.1 * completion_tokens
-
-    def observe_turn(self, index: int | None) -> None:
-        """A planned turn and its index in its conversation: 0 for a first turn, None for a continuation whose place
-        is not known (mutates the window of recent turns)."""
-        self._turn_index.append(index)
-
     def observe_pull(self, num_tokens: int, ms: float) -> None:
         """`ms`: the transfer's share of a pulled turn's prefill time (measured minus the delta's compute)."""
         if num_tokens > 0 and ms > 0:
@@ -324,11 +243,11 @@ class CostModel:
             "contention_by_node": {node: fit.as_dict() for node, fit in sorted(self._node_contention.items())},
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "decode_step_ms": self.decode_step_ms,
-            "typical_output_tokens": self.typical_output_tokens,
+            "typical_output_tokens": self.workload.typical_output_tokens,
             "handshake_ms": self.handshake_ms,
-            "continuation_share": round(self.continuation_share, 3),
-            "expected_future_turns": round(self.expected_future_turns(), 2),
-            "expected_future_turns_after_first": round(self.expected_future_turns(0), 2),
+            "continuation_share": round(self.workload.continuation_share, 3),
+            "expected_future_turns": round(self.workload.expected_future_turns(), 2),
+            "expected_future_turns_after_first": round(self.workload.expected_future_turns(0), 2),
             "replica_speed": {r: round(f, 3) for r, f in sorted(self._speed.items())},
             "estimate_error": self.error.as_dict(),
         }

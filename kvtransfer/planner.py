@@ -74,7 +74,7 @@ def _options(
     turn_index: int | None = None,
 ) -> list[Option]:
     live = {r.replica_id for r in replicas}
-    future = cost.expected_future_turns(turn_index)
+    future = cost.workload.expected_future_turns(turn_index)
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
     holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
     options: list[Option] = []
@@ -136,8 +136,9 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
 
     A turn also decides where its conversation lives: its later turns find their history on the target and stay
     there (moving them costs a pull or a recompute), and each keeps the target decoding beside the busy engines of
-    its node, whose arrivals are slowed again meanwhile, for `future` turns (`CostModel.expected_future_turns`: as
-    many as recent conversations brought after the turn's place in its own). That is priced on a busy target too:
+    its node, whose arrivals are slowed again meanwhile, for `future` turns
+    (`WorkloadForecast.expected_future_turns`: as many as recent conversations brought after the turn's place in
+    its own). That is priced on a busy target too:
     whether it would stay busy without this conversation depends on where its other conversations go, and they are
     placed by the same rule. It makes two busy engines unequal (traffic being the other conversations' turns:
     `ReplicaView.arrival_rate` leaves out the turn's own conversation, whose later turns go wherever it goes): a

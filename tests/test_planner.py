@@ -446,13 +446,13 @@ def test_a_turn_on_an_idle_engine_is_priced_for_the_turns_its_conversation_will_
     one_shot, conversations = contended(0.1), contended(0.1)
     for _ in range(12):
         for first in range(5):  # conversations of five turns: four of five turns continue one
-            conversations.observe_turn(first)
-            one_shot.observe_turn(0)
-    assert one_shot.expected_future_turns() == 0.0
-    assert conversations.expected_future_turns() == pytest.approx(4.0, rel=0.05)
+            conversations.workload.observe_turn(first)
+            one_shot.workload.observe_turn(0)
+    assert one_shot.workload.expected_future_turns() == 0.0
+    assert conversations.workload.expected_future_turns() == pytest.approx(4.0, rel=0.05)
     # Knowing the turn's place in its conversation: a first turn brings four more, a third two, a last none.
-    assert [conversations.expected_future_turns(i) for i in (0, 2, 4)] == [4.0, 2.0, 0.0]
-    assert one_shot.expected_future_turns(0) == 0.0
+    assert [conversations.workload.expected_future_turns(i) for i in (0, 2, 4)] == [4.0, 2.0, 0.0]
+    assert one_shot.workload.expected_future_turns(0) == 0.0
     # One-shot requests: the turn's own occupancy of "b" is all it costs "a"; its first token comes sooner on "b".
     alone = plan_turn(600, lookup(600), views, one_shot, output_tokens=24)
     assert alone.replica_id == "b"
@@ -462,8 +462,8 @@ def test_a_turn_on_an_idle_engine_is_priced_for_the_turns_its_conversation_will_
     decode = 24 * conversations.decode_step_ms
     assert founded.replica_id == "a"
     on_b = next(o for o in _options(600, lookup(600), views, conversations, output_tokens=24) if o.replica_id == "b")
-    assert on_b.impact_ms == pytest.approx(
-        alone.impact_ms + 0.1 * (conversations.expected_future_turns() * 2.0 / 1e3 * decode) * decode / 2, rel=0.02)
+    future = conversations.workload.expected_future_turns()
+    assert on_b.impact_ms == pytest.approx(alone.impact_ms + 0.1 * (future * 2.0 / 1e3 * decode) * decode / 2, rel=0.02)
 
 
 def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_would_delay_its_first_tokens():
@@ -489,7 +489,7 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
     cost = contended(0.1)
     for _ in range(12):
         for first in range(5):  # conversations of five turns
-            cost.observe_turn(first)
+            cost.workload.observe_turn(first)
     on_b = lookup(n + 64, ReplicaMatch("b", n, "hold", n, hold("b", n)))
     # Both engines decode: "a" four conversations' turns (2 requests a second arrive there), "b" one other
     # conversation's (0.5 a second). A conversation living on "b" keeps "b" decoding beside "a" for its four more
@@ -527,7 +527,7 @@ def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     cost.decode_step_ms = 58.0
     for _ in range(12):
         for index in range(6):  # conversations of six turns
-            cost.observe_turn(index)
+            cost.workload.observe_turn(index)
     scope = Scope("m", "")
 
     def prompt(conversation: int, turn: int) -> PrefixKey:  # each turn's prompt starts with the previous one's
@@ -607,11 +607,11 @@ def test_busy_peers_are_the_busy_engines_on_the_same_node_only():
 
 def test_a_turn_is_expected_to_decode_what_recent_turns_did_within_its_limit():
     cost = calibrated()
-    assert cost.expected_output_tokens(256) == 256  # nothing measured: the limit
+    assert cost.workload.expected_output_tokens(256) == 256  # nothing measured: the limit
     for _ in range(50):
-        cost.observe_output(20)
-    assert cost.expected_output_tokens(256) == 20
-    assert cost.expected_output_tokens(8) == 8
+        cost.workload.observe_output(20)
+    assert cost.workload.expected_output_tokens(256) == 20
+    assert cost.workload.expected_output_tokens(8) == 8
 
 
 def test_a_first_pull_between_two_replicas_pays_the_measured_handshake():

@@ -86,7 +86,7 @@ def runner(engines: Engines | None = None) -> TurnRunner:
 def recorded(r: TurnRunner) -> dict[str, Any]:
     """Everything planning a turn could record."""
     return {"rotation": r._rotation, "plan_ms": list(r.plan_ms), "recent_prompts": len(r.recent_prompts),
-            "turn_indexes": list(r.cost._turn_index), "cost_model": copy.deepcopy(r.cost.snapshot()),
+            "turn_indexes": list(r.cost.workload._turn_index), "cost_model": copy.deepcopy(r.cost.snapshot()),
             "counters": dict(r.counters)}
 
 
@@ -115,7 +115,7 @@ def test_a_turn_that_runs_is_counted_once_and_its_next_turn_continues_it():
 
     r = asyncio.run(main())
     assert r._rotation == 1 and len(r.plan_ms) == 1
-    assert list(r.cost._turn_index) == [0] and len(r.recent_prompts) == 1
+    assert list(r.cost.workload._turn_index) == [0] and len(r.recent_prompts) == 1
 
 
 def test_a_turn_whose_replica_dies_mid_stream_is_planned_again_but_counted_once():
@@ -130,4 +130,4 @@ def test_a_turn_whose_replica_dies_mid_stream_is_planned_again_but_counted_once(
     assert [t for d in deltas for t in d.token_ids] == [500, 501, 502, 500, 501, 502]
     assert r.counters["migrations"] == 1
     assert r._rotation == 1 and len(r.plan_ms) == 1
-    assert list(r.cost._turn_index) == [0] and len(r.recent_prompts) == 1
+    assert list(r.cost.workload._turn_index) == [0] and len(r.recent_prompts) == 1
