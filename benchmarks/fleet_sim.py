@@ -81,6 +81,8 @@ class Fleet:
         self._rotation = 0
         self._request_seq = 0
         self._last_finish = 0.0
+        # (conversation, turn) -> each served turn's time per output token after the first (its TPOT), in ms.
+        self.tpot_ms: dict[tuple[str, int], float] = {}
 
     # ----- the event loop
 
@@ -262,6 +264,8 @@ class Fleet:
             self.cost.observe_decode((self.now - r.first_token_at) * 1e3 / (len(r.output_ids) - 1))
         if not t.live.conv.calibration:
             self.cost.workload.observe_output(r.generated)
+        if not t.forced and r.first_token_at is not None and r.generated > 1:
+            self.tpot_ms[(t.live.conv.conv_id, t.index)] = (self.now - r.first_token_at) * 1e3 / (r.generated - 1)
         live = t.live
         key = live.key.extend(live.conv.turns[t.index].user_tokens)
         live.tokens = t.prompt + r.output_ids
@@ -322,15 +326,17 @@ class Fleet:
         return LiveConversation(conv, list(conv.prefix_tokens), [], PrefixKey.build(conv.prefix_tokens, scope,
                                                                         self.profile.block_size))
 
-    def run(self, workload: Workload) -> FleetResult:
-        """Serve every conversation of the workload (calibrating first); returns what each turn measured."""
+    def run(self, workload: Workload, convs: list[Conversation] | None = None) -> FleetResult:
+        """Serve every conversation of the workload, or `convs` with the workload's arrivals (calibrating first);
+        returns what each turn measured."""
         from benchmarks.fleet_calibration import calibrate
 
         calibrate(self)
         self.result = FleetResult()  # serving starts counting now
         self._serving = True
+        self.tpot_ms.clear()
         start = self.now
-        convs = conversations(workload, self.seed)
+        convs = conversations(workload, self.seed) if convs is None else convs
         queue = deque(convs)
 
         def run_conversation(conv: Conversation) -> None:
