@@ -25,7 +25,7 @@ import json
 import random
 import statistics
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import combinations, pairwise
 from pathlib import Path
 from typing import Any
@@ -40,17 +40,24 @@ from configs.models import DEFAULT_MODEL
 from kvtransfer.sim.profile import EngineProfile, load_profile
 
 SEPARATED = 0.10  # real p50s further apart than this must keep their order in the simulation
+TARGETS = {"max_p50_error": 0.15, "max_p90_error": 0.25, "rank_agreement": 1.0}
 KINDS: dict[str, Callable[[int], bool]] = {"first_turns": lambda turn: turn == 0, "later_turns": lambda turn: turn > 0}
 Key = tuple[int, str, int]  # (round, conversation, turn)
 
 
-def real_dtype(real: dict[str, Any]) -> str:
-    """The dtype the real run's engines ran: its configured one, else the engine's choice on its machine."""
+def real_dtype(real: dict[str, Any]) -> tuple[str, str]:
+    """The dtype the real run's engines ran and how that is known: its configured one, else the engine's choice on
+    its machine; a file whose machine does not record bf16 support ran the model's recommended dtype (what engines
+    ran on every CPU before they looked, and run on a CPU with native bf16)."""
     config = real["config"]
     machine = (real.get("provenance") or {}).get("machine") or real.get("machine") or {}
     engine = EngineConfig(model=config.get("model") or DEFAULT_MODEL, **{
         k: v for k, v in config.get("engine", {}).items() if k in EngineConfig.model_fields})
-    return engine.engine_dtype(machine.get("native_bf16", False))
+    if engine.dtype is not None:
+        return engine.dtype, "configured"
+    if "native_bf16" in machine:
+        return engine.engine_dtype(machine["native_bf16"]), "the engine's choice on the recorded machine"
+    return engine.engine_dtype(True), "the model's recommended dtype: the file does not record the CPU's bf16 support"
 
 
 def profile_dtype(profile: EngineProfile) -> str | None:
@@ -59,7 +66,7 @@ def profile_dtype(profile: EngineProfile) -> str | None:
 
 def served_profile(profile: EngineProfile, real: dict[str, Any]) -> EngineProfile:
     """The profile with the real run's KV cache size; refuses a profile measured in another dtype."""
-    want, have = real_dtype(real), profile_dtype(profile)
+    want, have = real_dtype(real)[0], profile_dtype(profile)
     if have != want:
         raise SystemExit(f"profile {profile.name!r} was measured in {have or 'an unrecorded dtype'}, the real run's "
                          f"engines ran {want}: measure one with `python -m benchmarks.sim_profile --dtype {want}`")
@@ -127,6 +134,11 @@ def _p(values: list[float], q: float) -> float | None:
     return percentile([v for v in values if v is not None], q)
 
 
+def _share_under_half(turns: Iterable[dict[str, Any]]) -> float | None:
+    turns = list(turns)
+    return round(sum(2 * t["reused_tokens"] < t["prompt_tokens"] for t in turns) / len(turns), 3) if turns else None
+
+
 def by_turn_kind(real: list[dict[str, Any]], sim: dict[Key, dict[str, float]]) -> dict[str, Any]:
     """First and later turns, real against simulated, matched turn by turn."""
     out = {}
@@ -146,6 +158,8 @@ def by_turn_kind(real: list[dict[str, Any]], sim: dict[Key, dict[str, float]]) -
                                "sim": _p([x["prompt_tokens"] - x["reused_tokens"] for x in s.values()], 0.5)},
             "tpot_ms_p50": {"real": _p([x["tpot_ms"] for x in r.values()], 0.5),
                             "sim": _p([x["tpot_ms"] for x in s.values()], 0.5)},
+            # Turns that found less than half their prompt cached where they ran (a later turn away from its history).
+            "reused_under_half": {"real": _share_under_half(r.values()), "sim": _share_under_half(s.values())},
         }
     return out
 
@@ -182,13 +196,16 @@ def main() -> None:
         provenance = real.get("provenance") or {}
         workloads[Path(path).stem] = compare(real, simulate(served_profile(profile, real), real, args.seed)) | {
             "real_file": path, "real_commit": provenance.get("commit"), "real_date": provenance.get("date"),
-            "real_machine": provenance.get("machine") or real.get("machine"), "real_dtype": real_dtype(real)}
+            "real_machine": provenance.get("machine") or real.get("machine"),
+            "real_dtype": dict(zip(("dtype", "from"), real_dtype(real), strict=True))}
     every = [p for w in workloads.values() for p in w["policies"].values()]
     pairs = sum(w["separated_pairs"] for w in workloads.values())
     result = {"profile": args.profile, "profile_dtype": profile_dtype(profile), "workloads": workloads,
               "max_p50_error": max(p["p50_error"] for p in every), "max_p90_error": max(p["p90_error"] for p in every),
               "rank_agreement": round(sum(w["agreeing_pairs"] for w in workloads.values()) / pairs, 3) if pairs
               else None}
+    result["targets"] = {k: {"target": v, "met": result[k] is None or (
+        result[k] >= v if k == "rank_agreement" else result[k] <= v)} for k, v in TARGETS.items()}
     write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "workloads"}, indent=1))
     for name, w in workloads.items():
