@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, RESULTS_DIR
-from benchmarks.report_fleet import fleet_summary, render_fleet, render_fleet_pd, render_sensitivity
+from benchmarks.report_fleet import (
+    fleet_summary,
+    render_fleet,
+    render_fleet_pd,
+    render_sensitivity,
+    render_sim_fidelity,
+)
 from benchmarks.report_format import Results, generic, provenance_line
 from benchmarks.report_mechanisms import (
     render_contention,
@@ -91,7 +97,9 @@ SECTIONS: list[Section] = [
             "The same comparison across link and compute speeds (`python -m benchmarks.fleet --sensitivity`).",
             render_sensitivity),
     Section("Simulator fidelity", ("sim_fidelity.json",),
-            "How closely the fleet simulator reproduces measured runs.", generic("sim_fidelity.json")),
+            "How closely the fleet simulator reproduces measured runs: the same conversations on two modelled "
+            "replicas of an engine profile measured on the same machine kind (`python -m benchmarks.sim_fidelity`).",
+            render_sim_fidelity),
     Section("Control plane", ("control_plane.json",),
             "The directory's and the planner's own costs at fleet scale.", generic("control_plane.json")),
     *[Section(f"Multi-turn routing: {label}", (name,),

@@ -84,3 +84,28 @@ def fleet_summary(results: Results) -> list[str]:
                       "measured 219.6 against 958.6 ms, 4.37x; `benchmarks/results/fleet_pd_pr32553.json`)."]
     return lines
 
+
+
+def render_sim_fidelity(results: Results) -> list[str]:
+    """The simulated against the measured TTFT per workload and policy, with the first/later-turn split that shows
+    which part of the model misses (`python -m benchmarks.sim_fidelity`)."""
+    data = results["sim_fidelity.json"]
+    targets = data.get("targets") or {}
+    head = [f"Profile `{data.get('profile', '?')}` ({data.get('profile_dtype') or 'dtype not recorded'}). "
+            + "; ".join(f"{k.replace('_', ' ')} {fmt(data.get(k), 3)} (target {fmt(t.get('target'), 2)}: "
+                        f"{'met' if t.get('met') else 'missed'})" for k, t in targets.items()) + ".", ""]
+    rows = []
+    for workload, w in (data.get("workloads") or {}).items():
+        for policy, p in (w.get("policies") or {}).items():
+            kinds = p.get("by_turn_kind") or {}
+            first, later = kinds.get("first_turns") or {}, kinds.get("later_turns") or {}
+            rows.append([workload, policy, f"{fmt(p.get('real_p50'), 0)} / {fmt(p.get('sim_p50'), 0)}",
+                         pct(p.get("p50_error")), f"{fmt(p.get('real_p90'), 0)} / {fmt(p.get('sim_p90'), 0)}",
+                         pct(p.get("p90_error")),
+                         f"{fmt(first.get('real_p50'), 0)} / {fmt(first.get('sim_p50'), 0)}",
+                         f"{fmt(later.get('real_p50'), 0)} / {fmt(later.get('sim_p50'), 0)}",
+                         " / ".join(fmt((later.get("tpot_ms_p50") or {}).get(k), 0) for k in ("real", "sim")),
+                         " / ".join(pct((later.get("reused_under_half") or {}).get(k)) for k in ("real", "sim"))])
+    return head + table(["workload", "policy", "TTFT p50 real / sim (ms)", "error", "p90 real / sim", "error",
+                         "first turns p50", "later turns p50", "later TPOT p50", "later turns away from history"],
+                        rows, right_from=2)
