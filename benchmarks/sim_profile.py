@@ -169,6 +169,9 @@ def main() -> None:
     b = EngineReplica(EngineConfig(**config, cpu_core_offset=1), hold_key=key)
     try:
         started = time.perf_counter()
+        # What the engine's scheduler runs with (vLLM fills in its own default where the config leaves it unset).
+        scheduler = a.engine.vllm_config.scheduler_config
+        budget, max_seqs = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
         samples = measure(loop, a, b, args.rounds)
         fitted = fit(samples)
     finally:
@@ -185,8 +188,8 @@ def main() -> None:
                        "default model as the benchmarks' app runs it unless its dtype is configured), two replicas "
                        "per node sharing its memory.",
         "block_size": engine.block_size, "kv_bytes_per_token": kv_bytes,
-        "kv_cache_tokens": KV_CACHE_BYTES // kv_bytes, "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens or 4096,
+        "kv_cache_tokens": KV_CACHE_BYTES // kv_bytes, "max_num_seqs": max_seqs,
+        "max_num_batched_tokens": budget,
         **{k: round(fitted[k], 6) for k in ("base_ms", "decode_ms_per_seq", "decode_ms_per_kctx",
                                             "prefill_ms_per_token", "prefill_ms_per_ktoken_ctx",
                                             "contention_per_busy_peer")},
@@ -200,8 +203,9 @@ def main() -> None:
             "block_size": "kvrelay's EngineConfig default on CPU.",
             "kv_bytes_per_token": f"KVShape of the model in {dtype}.",
             "kv_cache_tokens": "serve_config.yaml: 512 MiB of KV cache per replica.",
-            "max_num_seqs": "kvrelay's EngineConfig default.",
-            "max_num_batched_tokens": "kvrelay's EngineConfig (vLLM's CPU default where unset).",
+            "max_num_seqs": "the measured engine's scheduler config (kvrelay's EngineConfig default).",
+            "max_num_batched_tokens": "the measured engine's scheduler config (vLLM's default for an engine "
+                                      "built from AsyncEngineArgs where kvrelay's EngineConfig leaves it unset).",
             "base_ms": how, "decode_ms_per_seq": how, "prefill_ms_per_token": how,
             "decode_ms_per_kctx": f"Not separable in `{command}`'s decodes (all at one context): 0.",
             "prefill_ms_per_ktoken_ctx": how,
