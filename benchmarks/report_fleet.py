@@ -99,13 +99,14 @@ def render_sim_fidelity(results: Results) -> list[str]:
         for policy, p in (w.get("policies") or {}).items():
             kinds = p.get("by_turn_kind") or {}
             first, later = kinds.get("first_turns") or {}, kinds.get("later_turns") or {}
-            rows.append([workload, policy, f"{fmt(p.get('real_p50'), 0)} / {fmt(p.get('sim_p50'), 0)}",
+            real_run = f"`{(w.get('real_commit') or '?')[:7]}` {str(w.get('real_date') or '?')[:10]}"
+            rows.append([workload, real_run, policy, f"{fmt(p.get('real_p50'), 0)} / {fmt(p.get('sim_p50'), 0)}",
                          pct(p.get("p50_error")), f"{fmt(p.get('real_p90'), 0)} / {fmt(p.get('sim_p90'), 0)}",
                          pct(p.get("p90_error")),
                          f"{fmt(first.get('real_p50'), 0)} / {fmt(first.get('sim_p50'), 0)}",
                          f"{fmt(later.get('real_p50'), 0)} / {fmt(later.get('sim_p50'), 0)}",
                          " / ".join(fmt((later.get("tpot_ms_p50") or {}).get(k), 0) for k in ("real", "sim")),
                          " / ".join(pct((later.get("reused_under_half") or {}).get(k)) for k in ("real", "sim"))])
-    return head + table(["workload", "policy", "TTFT p50 real / sim (ms)", "error", "p90 real / sim", "error",
-                         "first turns p50", "later turns p50", "later TPOT p50", "later turns away from history"],
-                        rows, right_from=2)
+    return head + table(["workload", "real run", "policy", "TTFT p50 real / sim (ms)", "error", "p90 real / sim",
+                         "error", "first turns p50", "later turns p50", "later TPOT p50",
+                         "later turns away from history"], rows, right_from=3)
