@@ -8,7 +8,11 @@ what the turn measured teaches the `CostModel` online, as `TurnRunner` teaches i
 start-up calibration's sequence of forced turns (`kvtransfer.calibration`), run on the modelled engines.
 
 What the model leaves out: the ingress's view is exact and current (a real mirror lags its directory by a
-heartbeat), holds are recorded at once, and transfers do not share a link's bandwidth.
+heartbeat), holds are recorded at once, and transfers do not share a link's bandwidth. A planned request reaches its
+engine at once (the ingress's latency is added to its TTFT afterwards), so of turns planned at the same instant the
+first starts a step alone, where a real engine may take several into its first step. Engines own their cores: a
+profile measured on bare replicas leaves out the CPU the app's request path takes from them where it shares their
+cores (on the 2-core CPU machine, engine steps in a loaded app ran about a fifth slower while decoding).
 Deterministic for a seed: one heap of events, ties broken by insertion order.
 """
 
