@@ -186,6 +186,15 @@ def run_app(name: str, route_prefix: str, port: int, **config: Any) -> ServedApp
     return ServedApp(name, f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", keys[0])
 
 
+def delete_app(name: str) -> None:
+    """Delete app `name` without waiting for it to go: its replicas drain (Serve's wait loop), deregister from a
+    directory that is leaving too (a timeout) and stop their engines, about 15 s, while the next tests start. No test
+    reads an app after its own tests; the session's `serve.shutdown()` waits for any still stopping."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+
+
 TINY_ENGINE = {
     "dtype": "float32",
     "max_model_len": 2048,

@@ -1,5 +1,6 @@
 """Overload and disconnects: a full ingress answers 429 at once, and a client that leaves mid-stream cancels its
-engine request and frees its place."""
+engine request and frees its place (on vLLM: its token counter shows the engine stop); a full engine queue answers 429
+at once (Serve's admission in front of the engines, a control-plane matter: on a modelled engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.conftest import TINY_ENGINE, run_app
+from tests.conftest import TINY_ENGINE, delete_app, run_app
 
 
 def generated_tokens(base_url: str) -> float:
@@ -21,8 +22,6 @@ def generated_tokens(base_url: str) -> float:
 
 
 def test_a_full_ingress_answers_429_and_a_client_that_leaves_frees_its_turn(serve_port):
-    from ray import serve
-
     app = run_app("small", "/small", serve_port, ingress_max_turns=1,
                   pool={"num_replicas": 1, "engine": dict(TINY_ENGINE, model="tiny-llama")})
     try:
@@ -50,22 +49,27 @@ def test_a_full_ingress_answers_429_and_a_client_that_leaves_frees_its_turn(serv
         assert generated_tokens(app.base_url) == settled < before + 1900 - 100, (before, settled)
         assert httpx.post(url, json=short, timeout=60).status_code == 200
     finally:
-        serve.delete("small")
+        delete_app("small")
+
+
+# A modelled engine at the speed measured for the default model on one CPU core: a decode step takes about 24 ms.
+SIM_ENGINE = {"kind": "sim", "sim_profile": "cpu-smollm2", "model": "tiny-llama", "max_model_len": 2048}
+# About 4.7 s of decoding on SIM_ENGINE: still running when the next requests come 2 s later.
+LONG_REPLY_TOKENS = 200
 
 
 def test_a_full_engine_queue_answers_429_at_once(serve_port):
     """Each replica runs `max_ongoing_requests` and the ingress queues `max_queued_requests` more for the pool; one
     request beyond both is refused at once rather than queued without bound."""
-    from ray import serve
 
     app = run_app("queue", "/queue", serve_port,
-                  pool={"num_replicas": 1, "max_ongoing_requests": 1, "max_queued_requests": 1,
-                        "engine": dict(TINY_ENGINE, model="tiny-llama")})
+                  pool={"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1,
+                        "engine": SIM_ENGINE})
     try:
         app.replica_ids(1)
         app.ingress.calibrated.remote().result()
         url = f"{app.base_url}/v1/completions"
-        long = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 1900, "ignore_eos": True}
+        long = {"model": "tiny-llama", "prompt": "hello", "max_tokens": LONG_REPLY_TOKENS, "ignore_eos": True}
 
         def send(_: int) -> tuple[httpx.Response, float]:
             started = time.monotonic()
@@ -75,7 +79,7 @@ def test_a_full_engine_queue_answers_429_at_once(serve_port):
         # the running one could still be on its way to the replica when the others arrived: both were refused.)
         with ThreadPoolExecutor(3) as pool:
             running = pool.submit(send, 0)
-            time.sleep(2.0)  # it decodes 1,900 tokens: still running when the others come
+            time.sleep(2.0)  # it decodes LONG_REPLY_TOKENS: still running when the others come
             later = list(pool.map(send, range(2)))
             answers = [running.result(), *later]
         refused = [(r, s) for r, s in answers if r.status_code == 429]
@@ -84,4 +88,4 @@ def test_a_full_engine_queue_answers_429_at_once(serve_port):
         assert seconds < min(s for r, s in answers if r.status_code == 200)  # at once, not after a turn
         assert response.headers["retry-after"] == "1" and response.json()["error"]["code"] == "rate_limit_exceeded"
     finally:
-        serve.delete("queue")
+        delete_app("queue")

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from configs.engine import EngineConfig
-from tests.conftest import ServedApp, run_app
+from tests.conftest import ServedApp, delete_app, run_app
 
 REPLICAS = 8
 # The H100 profile at a quarter of its modelled time: a 16-token reply takes ~25 ms, a pull ~40-110 ms.
@@ -29,7 +29,6 @@ def user_tokens(rng: random.Random, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def sim_app(serve_port: int) -> Iterator[ServedApp]:
     """Eight simulated replicas (a tenth of a Ray CPU each: they compute no model) behind one ingress."""
-    from ray import serve
 
     app = run_app("sim", "/sim", serve_port, pool={"num_replicas": REPLICAS, "num_cpus": 0.1, "engine": SIM_ENGINE})
     try:
@@ -37,7 +36,7 @@ def sim_app(serve_port: int) -> Iterator[ServedApp]:
         app.ingress.calibrated.remote().result(timeout_s=120)
         yield app
     finally:
-        serve.delete("sim")
+        delete_app("sim")
 
 
 def test_a_sim_engine_needs_a_known_profile_and_only_sim_engines_take_one() -> None:
