@@ -181,12 +181,13 @@ def test_the_console_prints_a_line_per_client_request_and_nothing_while_idle(ser
     and every turn's hold expiring unread printed a warning of vLLM's."""
     # Start-up's own lines (engines, the calibration's first pulls) reach the console late: start once the last
     # one is a hold's lease and more behind, and the calibration ("ready") as long ago.
-    wait_until_quiet(served, quiet_s=NixlSettings().hold_ttl_s + 5, timeout_s=120)
+    lease_s = NixlSettings().hold_ttl_s  # serve_config.yaml's engines keep the default
+    wait_until_quiet(served, quiet_s=lease_s + 5, timeout_s=120)
     log = served.log
     before = log.read_bytes()
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert httpx.post(f"{served.base}/v1/chat/completions", json=body, timeout=120).status_code == 200
-    time.sleep(20)  # past the hold's lease (10 s)
+    time.sleep(2 * lease_s)  # well past the turn's hold's lease
     printed = log.read_bytes()[len(before):].decode(errors="replace").splitlines()
     assert len(printed) <= 1, "\n".join(printed)
 
