@@ -187,9 +187,9 @@ def run_app(name: str, route_prefix: str, port: int, **config: Any) -> ServedApp
 
 
 def delete_app(name: str) -> None:
-    """Delete app `name` without waiting for it to go: its replicas drain (Serve's wait loop), deregister from a
-    directory that is leaving too (a timeout) and stop their engines, about 15 s, while the next tests start. No test
-    reads an app after its own tests; the session's `serve.shutdown()` waits for any still stopping."""
+    """Delete app `name` without waiting for it to go: its replicas drain (Serve's wait loop), deregister and stop
+    their engines (about 15 s a blocking delete waited) while the next tests start. No test reads an app after its own
+    tests; the session's `serve.shutdown()` waits for any still stopping."""
     from ray import serve
 
     serve.delete(name, _blocking=False)
