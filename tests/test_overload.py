@@ -1,6 +1,5 @@
 """Overload and disconnects: a full ingress answers 429 at once, and a client that leaves mid-stream cancels its
-engine request and frees its place (on vLLM: its token counter shows the engine stop); a full engine queue answers 429
-at once (Serve's admission in front of the engines, a control-plane matter: on a modelled engine)."""
+engine request and frees its place."""
 
 from __future__ import annotations
 
@@ -52,24 +51,18 @@ def test_a_full_ingress_answers_429_and_a_client_that_leaves_frees_its_turn(serv
         delete_app("small")
 
 
-# A modelled engine at the speed measured for the default model on one CPU core: a decode step takes about 24 ms.
-SIM_ENGINE = {"kind": "sim", "sim_profile": "cpu-smollm2", "model": "tiny-llama", "max_model_len": 2048}
-# About 4.7 s of decoding on SIM_ENGINE: still running when the next requests come 2 s later.
-LONG_REPLY_TOKENS = 200
-
-
 def test_a_full_engine_queue_answers_429_at_once(serve_port):
     """Each replica runs `max_ongoing_requests` and the ingress queues `max_queued_requests` more for the pool; one
     request beyond both is refused at once rather than queued without bound."""
 
     app = run_app("queue", "/queue", serve_port,
-                  pool={"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1,
-                        "engine": SIM_ENGINE})
+                  pool={"num_replicas": 1, "max_ongoing_requests": 1, "max_queued_requests": 1,
+                        "engine": dict(TINY_ENGINE, model="tiny-llama")})
     try:
         app.replica_ids(1)
         app.ingress.calibrated.remote().result()
         url = f"{app.base_url}/v1/completions"
-        long = {"model": "tiny-llama", "prompt": "hello", "max_tokens": LONG_REPLY_TOKENS, "ignore_eos": True}
+        long = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 1900, "ignore_eos": True}
 
         def send(_: int) -> tuple[httpx.Response, float]:
             started = time.monotonic()
@@ -79,7 +72,7 @@ def test_a_full_engine_queue_answers_429_at_once(serve_port):
         # the running one could still be on its way to the replica when the others arrived: both were refused.)
         with ThreadPoolExecutor(3) as pool:
             running = pool.submit(send, 0)
-            time.sleep(2.0)  # it decodes LONG_REPLY_TOKENS: still running when the others come
+            time.sleep(2.0)  # it decodes 1,900 tokens: still running when the others come
             later = list(pool.map(send, range(2)))
             answers = [running.result(), *later]
         refused = [(r, s) for r, s in answers if r.status_code == 429]

@@ -33,7 +33,7 @@ def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replica
                 return
         except (httpx.HTTPError, ValueError):
             pass
-        time.sleep(2)
+        time.sleep(0.5)
     pytest.fail(f"serve run did not become healthy in {timeout_s:.0f} s:\n" + log.read_text()[-3000:])
 
 

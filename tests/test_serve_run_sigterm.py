@@ -8,9 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
@@ -30,19 +28,12 @@ applications:
         num_replicas: 1
         engine: {{model: tiny-llama, dtype: float32, max_model_len: 1024, kv_cache_memory_bytes: 67108864}}
 """
-MODES = ("default", "throughput_optimized")
 
 
-class ServeRun(NamedTuple):
-    proc: subprocess.Popen
-    log: Path
-    url: str
-
-
-def start(mode: str, folder: Path) -> ServeRun:
-    """`serve run` of CONFIG in Serve's `mode`, in a session of its own (every process it starts can be found)."""
+@pytest.mark.parametrize("mode", ["default", "throughput_optimized"])
+def test_sigterm_to_serve_run_leaves_no_process_behind(mode, tmp_path):
     port = free_port()
-    config = folder / "serve_config.yaml"
+    config = tmp_path / "serve_config.yaml"
     config.write_text(CONFIG.format(port=port))
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
@@ -51,34 +42,17 @@ def start(mode: str, folder: Path) -> ServeRun:
         first = free_port_range(4)
         env |= {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
                 "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 3)}
-    log = folder / "serve_run.log"
+    log, url = tmp_path / "serve_run.log", f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "--address", "local", str(config)],
                                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return ServeRun(proc, log, f"http://127.0.0.1:{port}")
-
-
-@pytest.fixture(scope="module")
-def serve_runs(tmp_path_factory) -> Iterator[dict[str, ServeRun]]:
-    """Both modes' `serve run` started together, each with its own Ray instance: much of a start is waiting (Ray's
-    processes coming up, Serve's control loop), which the two then share."""
-    runs: dict[str, ServeRun] = {}
     try:
-        for mode in MODES:
-            runs[mode] = start(mode, tmp_path_factory.mktemp(mode))
-        yield runs
+        wait_until_healthy(proc, log, url, replicas=1, timeout_s=600)
+        reported = running(replica_processes(url, replicas=1))
+        proc.send_signal(signal.SIGTERM)  # to serve run alone, not its process group
+        proc.wait(90)
+        assert_ended(reported, proc.pid, timeout_s=10)
     finally:
-        for run in runs.values():
-            if run.proc.poll() is None or session_processes(run.proc.pid):
-                os.killpg(run.proc.pid, signal.SIGKILL)
-                run.proc.wait(30)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_sigterm_to_serve_run_leaves_no_process_behind(mode, serve_runs):
-    proc, log, url = serve_runs[mode]
-    wait_until_healthy(proc, log, url, replicas=1, timeout_s=600)
-    reported = running(replica_processes(url, replicas=1))
-    proc.send_signal(signal.SIGTERM)  # to serve run alone, not its process group
-    proc.wait(90)
-    assert_ended(reported, proc.pid, timeout_s=10)
+        if proc.poll() is None or session_processes(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
