@@ -11,9 +11,9 @@ Updates are plain tuples whose first field names them:
     ("leave", replica_id)            a replica left, was swept or failed a pull: forget all it holds
     ("hold", replica_id, key, hold, expires_at, prompt_tokens)   a recorded hold (named by `hold.hold_id`)
     ("consume", hold_id)             a hold was pulled or released
+    ("resident", replica_id, ops)    prefix-cache events applied for a replica
 
 A hold keeps the id its replica minted (`kvtransfer.types.HoldId`) in the actor, in the feed and in every mirror.
-    ("resident", replica_id, ops)    prefix-cache events applied for a replica
 """
 
 from __future__ import annotations
