@@ -30,10 +30,10 @@ def token_digest(token_ids: Sequence[int]) -> str:
 
 
 class HoldId(NamedTuple):
-    """A hold's one name, minted by the replica that exports it: its engine and how many holds that engine exported
-    before it. The KV directory actor, its change feed and every ingress's mirror name the hold by it, and taking it
-    by this id takes exactly that hold. An engine id is new at every engine start (`{replica_id}-{random}`), so an id
-    never names two holds; within one engine, a higher serial is a newer hold."""
+    """A hold's one name, minted by the replica that exports it: its engine and a serial the replica counts up. The KV
+    directory actor, its change feed and every ingress's mirror name the hold by it, and taking it by this id takes
+    exactly that hold. An engine id is new at every engine start (`{replica_id}-{random}`), so an id never names two
+    holds; within one engine, a higher serial is a newer hold."""
 
     engine_id: str
     serial: int
