@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -40,7 +41,7 @@ from kvtransfer.sim.block_cache import BlockStored, vllm_block_hashes
 from kvtransfer.sim.engine import Hold as HeldBlocks
 from kvtransfer.sim.engine import SimEngine, SimRequest
 from kvtransfer.sim.profile import load_profile
-from kvtransfer.types import Hold
+from kvtransfer.types import Hold, HoldId
 from model_prep.store import model_path
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class SimEngineReplica(ReportsLoad):
         self.replica_id, self.pool, self._app = place.replica_id, place.deployment, place.app_name
         self.node_id, self._node_ip = node_identity()
         self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
+        self._hold_serials = itertools.count()  # this engine's holds' ids (`HoldId`), minted at export
         self.dilation = self.config.sim_dilation
         # Block size is the deployment's (the directory hashes by it); the rest is the profile's hardware.
         profile = load_profile(self.config.sim_profile).model_copy(update={"block_size": self.config.block_size})
@@ -248,7 +250,8 @@ class SimEngineReplica(ReportsLoad):
         if held is not None:
             delta.hold = Hold(
                 engine_id=self.engine_id, host=self._node_ip, port=0, block_ids=[[len(held.refs) + held.private]],
-                num_tokens=held.num_tokens, request_id=sim.request_id,
+                num_tokens=held.num_tokens, hold_id=HoldId(self.engine_id, next(self._hold_serials)),
+                request_id=sim.request_id,
                 extra={HOLDER_KEY: self.replica_id, NODE_KEY: self.sim_node},
             ).sealed(self._hold_key, sim.token_ids + sim.output_ids)
         return delta

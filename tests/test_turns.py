@@ -139,10 +139,10 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread, puller):
 
 
 def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_thread, puller):
-    """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, a seal
-    from another app, or tokens that differ from the prompt's is refused before any read (a failed pull, which the
-    turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read
-    (by another replica, once; by the holder itself, in memory)."""
+    """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, another
+    hold's id, a seal from another app, or tokens that differ from the prompt's is refused before any read (a failed
+    pull, which the turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its
+    tokens, is read (by another replica, once; by the holder itself, in memory)."""
     from actors.replica_api import HoldRelease, InvalidRequestError
 
     holder = direct_replica("tiny-llama", 0)
@@ -154,6 +154,7 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         forged = {
             "other blocks": replace(hold, block_ids=[[b + 1 for b in group] for group in hold.block_ids]),
             "another engine": replace(hold, engine_id=puller.engine_id),
+            "another hold's id": replace(hold, hold_id=hold.hold_id._replace(serial=hold.hold_id.serial + 1)),
             "unsealed": replace(hold, seal=None),
             "another app's key": hold.sealed(b"another-app", follow_up),
         }
@@ -172,6 +173,9 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         # faster and a lone conversation moved on every turn). The answer is the one computed from scratch.
         own, _, follow_own = first_turn(loop_thread, holder, rng, 203)
         assert own.num_tokens % holder.config.block_size, "the check needs a partial last block"
+        # Each hold is named by the id its replica minted at export: the holder's engine and a serial.
+        assert own.hold_id.engine_id == hold.hold_id.engine_id == holder.engine_id
+        assert own.hold_id.serial > hold.hold_id.serial
         stays = generate(loop_thread, holder, follow_own, pull=own)
         assert stays[-1].finish_reason != "error" and stays[-1].num_cached_tokens == own.num_tokens
         scratch = generate(loop_thread, puller, follow_own, own_kv_only=True)
