@@ -95,18 +95,21 @@ class MemoryGuard:
         self._stop.set()
 
 
-def serve_pids() -> dict[str, int]:
-    """The pids of the app's ingress and directory replicas (Ray's actor table, from its GCS: no dashboard here)."""
+def actor_pids(deployment: str) -> list[int]:
+    """The pids of the live replicas of one of the app's deployments (Ray's actor table, from its GCS: no
+    dashboard here)."""
     from ray._private.state import actors
 
-    pids = {}
-    for actor in actors(actor_state_name="ALIVE").values():
-        for role in ("ingress", "kv_directory"):
-            if actor["ActorClassName"].endswith(f":{role}"):
-                pids[role] = actor["Pid"]
-    if set(pids) != {"ingress", "kv_directory"}:
-        raise RuntimeError(f"found only {sorted(pids)} among the live actors")
-    return pids
+    return [a["Pid"] for a in actors(actor_state_name="ALIVE").values()
+            if a["ActorClassName"].endswith(f":{deployment}")]
+
+
+def serve_pids() -> dict[str, int]:
+    """The pids of the app's (one) ingress and directory replicas."""
+    pids = {role: actor_pids(role) for role in ("ingress", "kv_directory")}
+    if any(len(found) != 1 for found in pids.values()):
+        raise RuntimeError(f"expected one ingress and one directory replica, found {pids}")
+    return {role: found[0] for role, found in pids.items()}
 
 
 def replica_processes(stats: dict[str, Any], started_s: float) -> dict[str, Any]:
