@@ -20,6 +20,8 @@ import argparse
 import asyncio
 import os
 import random
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -120,6 +122,11 @@ def replica_processes(stats: dict[str, Any], started_s: float) -> dict[str, Any]
             "rss_mb_max": round(max(sizes) / MB, 1), "cpu_s_mean_after_start": round(sum(cpus) / len(cpus), 2),
             "torch_loaded": any(maps_library(p, "libtorch") for p in pids),
             "vllm_loaded": any(maps_library(p, "/vllm/") for p in pids), "fleet_start_s": round(started_s, 1)}
+
+
+def exit_on_sigterm() -> None:
+    """A `timeout` that ends the run unwinds it (its `finally` stops Ray) instead of leaving the cluster behind."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/control_plane.json"))
     args = parser.parse_args(argv)
-
+    exit_on_sigterm()
     guard = MemoryGuard(int(args.min_free_gib * 2**30))
     print(f"memory used before start: {guard.start_used / 2**30:.1f} GiB", flush=True)
     engine = {"kind": "sim", "sim_profile": SIM_PROFILE, "sim_dilation": args.dilation, "max_model_len": MAX_MODEL_LEN,

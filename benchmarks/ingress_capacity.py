@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import start_app, stop_app, write_result
-from benchmarks.control_plane import MemoryGuard, actor_pids, cpu_s
+from benchmarks.control_plane import MemoryGuard, actor_pids, cpu_s, exit_on_sigterm
 
 SIM_PROFILE = "h100-llama-3.1-8b"
 MODEL = "tiny-llama"
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ingress_capacity.json"))
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     guard = MemoryGuard(int(args.min_free_gib * 2**30))
     try:
         runs = [measure(n, args, guard) for n in args.ingress_replicas]

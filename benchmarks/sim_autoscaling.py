@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import start_app, stop_app, write_result
-from benchmarks.control_plane import MemoryGuard
+from benchmarks.control_plane import MemoryGuard, exit_on_sigterm
 
 SIM_PROFILE = "h100-llama-3.1-8b"
 MODEL = "tiny-llama"
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-free-gib", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sim_autoscaling.json"))
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     scaling = {"min_replicas": MIN_REPLICAS, "max_replicas": MAX_REPLICAS, "target_ongoing_requests": TARGET_ONGOING,
                "upscale_delay_s": 2.0, "downscale_delay_s": 10.0, "metrics_interval_s": 0.5,
                "look_back_period_s": 3.0}
