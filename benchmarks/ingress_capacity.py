@@ -56,17 +56,26 @@ async def drive(app: Any, args: argparse.Namespace, ingress_pids: list[int]) -> 
             await stream(app, prompt, args.max_tokens, window, counts)
             counts["requests"] += 1
 
+    engine_pids = actor_pids("engines")
+
+    def cpu_now() -> dict[str, float]:
+        return {"ingress": sum(cpu_s(p) for p in ingress_pids), "engines": sum(cpu_s(p) for p in engine_pids),
+                "driver": time.process_time()}
+
     async def sample_cpu() -> None:
         await asyncio.sleep(max(0.0, window["start"] - time.monotonic()))
-        cpu["start"] = sum(cpu_s(p) for p in ingress_pids)
+        start = cpu_now()
         await asyncio.sleep(max(0.0, window["end"] - time.monotonic()))
-        cpu["end"] = sum(cpu_s(p) for p in ingress_pids)
+        cpu.update({k: v - start[k] for k, v in cpu_now().items()})
 
     await asyncio.gather(sample_cpu(), *(client() for _ in range(args.streams)))
-    ingress_cpu_s = cpu["end"] - cpu["start"]
+    ingress_cpu_s = cpu["ingress"]
     return {"tokens_per_s": round(counts["tokens"] / args.window_s), "chunks_per_s": round(counts["chunks"] /
                                                                                            args.window_s),
             "ingress_cpu_s_per_s": round(ingress_cpu_s / args.window_s, 2),
+            # Where the machine's other cores went: the simulated replicas (a delta per token each) and this driver.
+            "engines_cpu_s_per_s": round(cpu["engines"] / args.window_s, 2),
+            "driver_cpu_s_per_s": round(cpu["driver"] / args.window_s, 2),
             "tokens_per_ingress_cpu_s": round(counts["tokens"] / ingress_cpu_s) if ingress_cpu_s > 0 else None,
             "requests_finished": int(counts["requests"])}
 
