@@ -3,13 +3,17 @@
 `engine.kind: sim` deploys it in place of `EngineReplica`, so the real ingress, KV directory, mirrors and planner
 run over replicas that need neither a model nor an accelerator. The modelled engine steps in real time: each step
 takes the profile's modelled time times `engine.sim_dilation` (real seconds per modelled second, in the replica's
-identity). Its prefix cache publishes vLLM's own KV event batches on vLLM's own publisher, which the replica's
-directory reporter forwards as it does a real engine's. A finished request leaves a hold (its blocks pinned until
-read, released or its lease ends); a request that pulls a hold waits the profile's transfer time, then asks the
-holder, through the engine pool, to free the hold (`release_hold`), as NIXL's read notification does: a hold no
-longer there fails the pull, and the ingress recomputes. Replies are a fixed English passage in the model's tokenizer.
+identity). Its prefix cache publishes vLLM's KV event batches, byte for byte as vLLM encodes them, on a publisher
+that speaks vLLM's ZMQ protocol (`actors/sim_kv_events.py`), and the replica's directory reporter forwards them as it
+does a real engine's. A finished request leaves a hold (its blocks pinned until read, released or its lease ends); a
+request that pulls a hold waits the profile's transfer time, then asks the holder, through the engine pool, to free
+the hold (`release_hold`), as NIXL's read notification does: a hold no longer there fails the pull, and the ingress
+recomputes. Replies are a fixed English passage in the model's tokenizer.
 
-Never a stand-in for a real engine in a test of the engine path (tokens, NIXL pulls, fast prefill, migration).
+Nothing here imports vLLM or torch (the ingress sends these replicas `ReplyParams`, not vLLM's SamplingParams): a
+replica's process costs a Ray worker, not an engine's half gigabyte and seconds of imports, so a fleet of tens of
+them fits on one machine. Never a stand-in for a real engine in a test of the engine path (tokens, NIXL pulls, fast
+prefill, migration).
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from actors.replica_api import (
     InvalidRequestError,
     ReplicaIdentity,
 )
+from actors.sim_kv_events import EventPublisher, KVEventBatch, event_batch
 from configs.engine import EngineConfig
 from kvtransfer.connector import LOAD_FAILED
-from kvtransfer.sim.block_cache import BlockStored, vllm_block_hashes
+from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as HeldBlocks
 from kvtransfer.sim.engine import SimEngine, SimRequest
 from kvtransfer.sim.profile import load_profile
@@ -71,17 +76,6 @@ class Replies:
 
     def text(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
-def vllm_event_batch(events: list[Any]) -> Any:
-    """The modelled cache's events as the vLLM event batch a real engine publishes."""
-    from vllm.distributed.kv_events import BlockRemoved, KVEventBatch
-    from vllm.distributed.kv_events import BlockStored as VllmBlockStored
-
-    return KVEventBatch(ts=time.time(), events=[
-        VllmBlockStored(**e._asdict(), lora_name=None) if isinstance(e, BlockStored) else BlockRemoved(**e._asdict())
-        for e in events
-    ])
 
 
 class SimEngineReplica(ReportsLoad):
@@ -124,13 +118,11 @@ class SimEngineReplica(ReportsLoad):
         self._pool_handle: Any = None
         self._publisher = self._reporter = None
         if directory is not None and self.config.enable_prefix_caching:
-            from vllm.distributed.kv_events import ZmqEventPublisher
-
-            publish, replay = events_endpoints(self.engine_id)
-            self._publisher = ZmqEventPublisher(0, endpoint=publish, replay_endpoint=replay)
+            self._publisher = EventPublisher(*events_endpoints(self.engine_id))
         if directory is not None:
             self._reporter = DirectoryReporter(directory, self._identity(), self._stats_now, self.HEARTBEAT_S,
-                                               events_endpoints(self.engine_id) if self._publisher else None)
+                                               events_endpoints(self.engine_id) if self._publisher else None,
+                                               event_batch=KVEventBatch)
         logger.info("replica %s runs simulated engine %s (profile %s, %.3g real s per modelled s)",
                     self.replica_id, self.engine_id, profile.name, self.dilation)
 
@@ -159,7 +151,7 @@ class SimEngineReplica(ReportsLoad):
             engine.finish_step(max(end, self._now()))
             events = engine.cache.take_events()
             if events and self._publisher is not None:
-                self._publisher.publish(vllm_event_batch(events))
+                self._publisher.publish(event_batch(events))
             self.load.observe_engine(len(engine.waiting), engine.cache.used_blocks / engine.cache.num_blocks,
                                      self._reused / self._prompted if self._prompted else 0.0)
             for progress in self._progress.values():

@@ -71,12 +71,12 @@ class Ingress:
         if decode_engines is None:
             self.runner = TurnRunner(
                 engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s,
-                self.config.max_migrations,
+                self.config.max_migrations, modelled_engines=engine.kind == "sim",
             )
         else:
             self.runner = DisaggregatedTurnRunner(
                 engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s,
-                self.config.max_migrations,
+                self.config.max_migrations, modelled_engines=engine.kind == "sim",
             )
         self.metrics = IngressMetrics(shape.kv_bytes)
         self.turns_running = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -99,3 +100,11 @@ def test_the_directory_follows_the_simulated_replicas_kv_events(sim_app: ServedA
     assert plan["reused_tokens"] == 288
     directory = sim_app.ingress.stats.remote().result(timeout_s=30)["directory"]
     assert directory["resident_blocks"] >= 9, directory
+
+
+def test_a_simulated_replicas_process_has_neither_vllm_nor_torch_after_serving(sim_app: ServedApp) -> None:
+    # After turns (the conversation above): unpickling a request with vLLM's SamplingParams would have loaded both.
+    sim_app.ingress.turn.remote(user_tokens(random.Random("one more"), 64), REPLY).result(timeout_s=60)
+    for replica in sim_app.ingress.stats.remote().result(timeout_s=30)["replicas"]:
+        maps = Path(f"/proc/{replica['pid']}/maps").read_text()
+        assert "libtorch" not in maps and "/vllm/" not in maps, replica["replica_id"]
