@@ -34,12 +34,16 @@ class DirectoryReporter:
         stats: Callable[[], ReplicaStats],
         heartbeat_s: float,
         events: tuple[str, str] | None,
+        event_batch: type | None = None,
     ) -> None:
+        """`events`: the engine's (publish, replay) KV event endpoints; `event_batch`: the struct their batches decode
+        into (`KVEventForwarder`'s `batch_type`)."""
         self.directory = directory
         self.identity = identity
         self.stats = stats
         self.heartbeat_s = heartbeat_s
         self.events = events
+        self.event_batch = event_batch
         self._stopping = threading.Event()
         # Set once `_run` is on its loop: `stop` wakes the loop through it (a timer sleeps; no thread waits).
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -54,7 +58,8 @@ class DirectoryReporter:
         if self.events is not None:
             tracker = ResidentTracker(self.identity.model, self.identity.block_size)
             publish, replay = self.events
-            forwarder = KVEventForwarder(replica_id, publish, tracker, ray_sender(directory), replay_endpoint=replay)
+            forwarder = KVEventForwarder(replica_id, publish, tracker, ray_sender(directory), replay_endpoint=replay,
+                                         batch_type=self.event_batch)
             forwarder.start()
         first = True
         last_sent: dict[str, Any] | None = None

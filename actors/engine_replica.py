@@ -8,6 +8,7 @@ also construct it directly inside one process. Where its engine runs is `actors/
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -45,7 +46,7 @@ from actors.vllm_engine import (
 from configs.engine import EngineConfig
 from kvtransfer.connector import LOAD_FAILED, export_params, is_load_failure
 from kvtransfer.kv_digest import DIGESTS_KEY
-from kvtransfer.types import Hold
+from kvtransfer.types import Hold, HoldId
 from model_prep.store import model_path
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class EngineReplica(ReportsLoad):
         self.replica_id, local_rank, self.pool = place.replica_id, place.local_rank, place.deployment
         self.node_id, node_ip = node_identity()
         self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
+        self._hold_serials = itertools.count()  # this engine's holds' ids (`HoldId`), minted at export
 
         from vllm.platforms import current_platform
 
@@ -245,7 +247,7 @@ class EngineReplica(ReportsLoad):
                     delta.prompt_tokens = prompt_tokens
                     delta.completion_tokens = completion
                     delta.num_cached_tokens = cached
-                    hold = Hold.from_params(out.kv_transfer_params)
+                    hold = Hold.from_params(out.kv_transfer_params, HoldId(self.engine_id, next(self._hold_serials)))
                     if hold is not None:
                         if self.config.nixl.verify_pulls:
                             hold = replace(hold, extra={**hold.extra, DIGESTS_KEY: await self.engine.collective_rpc(

@@ -14,7 +14,7 @@ from kvtransfer.directory_index.changes import ChangeLog, Changes, Snapshot
 from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.directory_index.results import DirectoryStats, RecordResult, ResidentOp, ResidentResult
 from kvtransfer.prefix_key import PrefixKey, Scope
-from kvtransfer.types import Hold, LookupResult
+from kvtransfer.types import Hold, HoldId, LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +85,16 @@ class KVDirectoryActor:
         scope: Scope | None = None, prompt_tokens: int = 0,
     ) -> RecordResult:
         if replica_id in self._departed:
-            return RecordResult(hold_id=None, new_entries=0, evicted_chains=0)
+            return RecordResult(kept=False, new_entries=0, evicted_chains=0)
         result = self._directory.record_hold(replica_id, key, hold, expires_at, scope=scope,
                                              prompt_tokens=prompt_tokens)
-        if result.hold_id is not None:
+        if result.kept:
             key = self._directory._as_key(key, scope)
-            self._log.append(("hold", replica_id, key, hold, expires_at, result.hold_id, prompt_tokens))
+            self._log.append(("hold", replica_id, key, hold, expires_at, prompt_tokens))
         return result
 
-    async def consume_hold(self, hold_id: int) -> Hold | None:
+    async def consume_hold(self, hold_id: HoldId) -> Hold | None:
+        """The hold named `hold_id` (the id its replica minted), once; None if it is gone or was never kept."""
         hold = self._directory.consume_hold(hold_id)
         if hold is not None:
             self._log.append(("consume", hold_id))

@@ -217,7 +217,10 @@ class KVEventForwarder:
         replay_endpoint: str | None = None,
         replay_timeout_s: float = 2.0,
         max_coalesce: int = 64,
+        batch_type: type | None = None,
     ) -> None:
+        """`batch_type`: the msgspec struct batches decode into; None for vLLM's `KVEventBatch` (a simulated replica
+        passes its vLLM-free copy, `actors/sim_kv_events.py`)."""
         self.replica_id = replica_id
         self.endpoint = endpoint
         self.tracker = tracker
@@ -226,6 +229,7 @@ class KVEventForwarder:
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self._max_coalesce = max_coalesce
+        self._batch_type = batch_type
         self._task: asyncio.Task[None] | None = None
         self._epoch: str | None = None
         self._needs_rebuild = False
@@ -269,9 +273,11 @@ class KVEventForwarder:
         import msgspec
         import zmq
         import zmq.asyncio
-        from vllm.distributed.kv_events import KVEventBatch
 
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        batch_type = self._batch_type
+        if batch_type is None:
+            from vllm.distributed.kv_events import KVEventBatch as batch_type
+        decoder = msgspec.msgpack.Decoder(type=batch_type)
         ctx = zmq.asyncio.Context.instance()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)

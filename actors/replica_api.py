@@ -1,16 +1,21 @@
 """The engine replica's wire contract: what callers send to `EngineReplica` and what it streams back.
 
-These are plain pydantic models so they cross Ray process boundaries unchanged and validate on entry.
+These are plain pydantic models so they cross Ray process boundaries unchanged and validate on entry. The module
+imports no vLLM (which brings torch: ~0.5 GB and seconds of CPU per process): a simulated replica
+(`actors/sim_engine_replica.py`) reads and writes these types without it. vLLM's own types in them (sampling
+parameters, logprobs) are checked where they are validated, importing vLLM there.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
-from vllm.logprobs import Logprob
-from vllm.sampling_params import SamplingParams
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvtransfer.types import Hold
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
 
 # Names of the load signals a replica reports to Serve's autoscaler (`EngineReplica.record_autoscaling_stats`).
 ONGOING_REQUESTS = "ongoing_requests"
@@ -46,8 +51,50 @@ class Sampling(BaseModel):
 
     def to_params(self) -> SamplingParams:
         """vLLM's SamplingParams; vLLM's own checks apply (a VLLMValidationError names the bad field)."""
+        from vllm.sampling_params import SamplingParams
+
         return SamplingParams(**self.model_dump(exclude_none=True, exclude={"stop", "stop_token_ids"}),
                               stop=self.stop or None, stop_token_ids=self.stop_token_ids or None)
+
+
+class ReplyParams(BaseModel):
+    """What a modelled engine reads of a request's sampling: one sequence of `max_tokens`. The ingress sends these to
+    simulated replicas instead of vLLM's SamplingParams, whose unpickling would import vLLM into their processes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(default=1, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    @classmethod
+    def of(cls, params: SamplingParams | ReplyParams) -> ReplyParams:
+        return cls(n=params.n, max_tokens=params.max_tokens)
+
+
+def _sampling_params() -> SamplingParams:
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams()
+
+
+def _checked_params(value: Any) -> SamplingParams | ReplyParams:
+    """vLLM's SamplingParams, or a modelled engine's ReplyParams (checked first: no vLLM import for those)."""
+    if isinstance(value, ReplyParams):
+        return value
+    from vllm.sampling_params import SamplingParams
+
+    if not isinstance(value, SamplingParams):
+        raise ValueError(f"params must be vLLM's SamplingParams or ReplyParams, not {type(value).__name__}")
+    return value
+
+
+def _checked_logprobs(value: Any) -> Any:
+    """vLLM's GenerateLogProbs (a dict is parsed into one), or None."""
+    if value is None:
+        return None
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateLogProbs
+
+    return GenerateLogProbs.model_validate(value)
 
 
 class GenerateRequest(BaseModel):
@@ -59,7 +106,8 @@ class GenerateRequest(BaseModel):
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     # One sequence (n=1); the replica sets how outputs stream and the KV transfer fields itself.
-    params: SamplingParams = Field(default_factory=SamplingParams)
+    # vLLM's SamplingParams; a simulated replica gets ReplyParams (`ReplyParams`).
+    params: Annotated[Any, AfterValidator(_checked_params)] = Field(default_factory=_sampling_params)
     # Set by the turn runner only, never taken from a client: they name KV blocks another engine holds.
     # `pull`: read this hold's tokens' KV over NIXL, compute the rest of the prompt (also P/D's handoff: the decode
     # replica pulls the prompt from the prefill replica's hold and computes the prefill's one token).
@@ -115,9 +163,10 @@ class GenerateDelta(BaseModel):
     token_ids: list[int]
     text: str
     # Per token of `token_ids`, when the request asked for logprobs (vLLM's token-in-token-out shape).
-    logprobs: GenerateLogProbs | None = None
-    # On the first delta, when the request asked for prompt_logprobs: per prompt position (the first is None).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    logprobs: Annotated[Any, AfterValidator(_checked_logprobs)] = None
+    # On the first delta, when the request asked for prompt_logprobs: per prompt position (the first is None); each
+    # a dict of token id to vLLM's `Logprob`.
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0

@@ -3,19 +3,24 @@
 `engine.kind: sim` deploys it in place of `EngineReplica`, so the real ingress, KV directory, mirrors and planner
 run over replicas that need neither a model nor an accelerator. The modelled engine steps in real time: each step
 takes the profile's modelled time times `engine.sim_dilation` (real seconds per modelled second, in the replica's
-identity). Its prefix cache publishes vLLM's own KV event batches on vLLM's own publisher, which the replica's
-directory reporter forwards as it does a real engine's. A finished request leaves a hold (its blocks pinned until
-read, released or its lease ends); a request that pulls a hold waits the profile's transfer time, then asks the
-holder, through the engine pool, to free the hold (`release_hold`), as NIXL's read notification does: a hold no
-longer there fails the pull, and the ingress recomputes. Replies are a fixed English passage in the model's tokenizer.
+identity). Its prefix cache publishes vLLM's KV event batches, byte for byte as vLLM encodes them, on a publisher
+that speaks vLLM's ZMQ protocol (`actors/sim_kv_events.py`), and the replica's directory reporter forwards them as it
+does a real engine's. A finished request leaves a hold (its blocks pinned until read, released or its lease ends); a
+request that pulls a hold waits the profile's transfer time, then asks the holder, through the engine pool, to free
+the hold (`release_hold`), as NIXL's read notification does: a hold no longer there fails the pull, and the ingress
+recomputes. Replies are a fixed English passage in the model's tokenizer.
 
-Never a stand-in for a real engine in a test of the engine path (tokens, NIXL pulls, fast prefill, migration).
+Nothing here imports vLLM or torch (the ingress sends these replicas `ReplyParams`, not vLLM's SamplingParams): a
+replica's process costs a Ray worker, not an engine's half gigabyte and seconds of imports, so a fleet of tens of
+them fits on one machine. Never a stand-in for a real engine in a test of the engine path (tokens, NIXL pulls, fast
+prefill, migration).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -34,13 +39,14 @@ from actors.replica_api import (
     InvalidRequestError,
     ReplicaIdentity,
 )
+from actors.sim_kv_events import EventPublisher, KVEventBatch, event_batch
 from configs.engine import EngineConfig
 from kvtransfer.connector import LOAD_FAILED
-from kvtransfer.sim.block_cache import BlockStored, vllm_block_hashes
+from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as HeldBlocks
 from kvtransfer.sim.engine import SimEngine, SimRequest
 from kvtransfer.sim.profile import load_profile
-from kvtransfer.types import Hold
+from kvtransfer.types import Hold, HoldId
 from model_prep.store import model_path
 
 logger = logging.getLogger(__name__)
@@ -72,17 +78,6 @@ class Replies:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def vllm_event_batch(events: list[Any]) -> Any:
-    """The modelled cache's events as the vLLM event batch a real engine publishes."""
-    from vllm.distributed.kv_events import BlockRemoved, KVEventBatch
-    from vllm.distributed.kv_events import BlockStored as VllmBlockStored
-
-    return KVEventBatch(ts=time.time(), events=[
-        VllmBlockStored(**e._asdict(), lora_name=None) if isinstance(e, BlockStored) else BlockRemoved(**e._asdict())
-        for e in events
-    ])
-
-
 class SimEngineReplica(ReportsLoad):
     """One modelled engine, stepped on the replica's event loop. Methods are coroutines on that loop."""
 
@@ -101,6 +96,7 @@ class SimEngineReplica(ReportsLoad):
         self.replica_id, self.pool, self._app = place.replica_id, place.deployment, place.app_name
         self.node_id, self._node_ip = node_identity()
         self.engine_id = f"{self.replica_id}-{uuid.uuid4().hex[:8]}"
+        self._hold_serials = itertools.count()  # this engine's holds' ids (`HoldId`), minted at export
         self.dilation = self.config.sim_dilation
         # Block size is the deployment's (the directory hashes by it); the rest is the profile's hardware.
         profile = load_profile(self.config.sim_profile).model_copy(update={"block_size": self.config.block_size})
@@ -122,13 +118,11 @@ class SimEngineReplica(ReportsLoad):
         self._pool_handle: Any = None
         self._publisher = self._reporter = None
         if directory is not None and self.config.enable_prefix_caching:
-            from vllm.distributed.kv_events import ZmqEventPublisher
-
-            publish, replay = events_endpoints(self.engine_id)
-            self._publisher = ZmqEventPublisher(0, endpoint=publish, replay_endpoint=replay)
+            self._publisher = EventPublisher(*events_endpoints(self.engine_id))
         if directory is not None:
             self._reporter = DirectoryReporter(directory, self._identity(), self._stats_now, self.HEARTBEAT_S,
-                                               events_endpoints(self.engine_id) if self._publisher else None)
+                                               events_endpoints(self.engine_id) if self._publisher else None,
+                                               event_batch=KVEventBatch)
         logger.info("replica %s runs simulated engine %s (profile %s, %.3g real s per modelled s)",
                     self.replica_id, self.engine_id, profile.name, self.dilation)
 
@@ -157,7 +151,7 @@ class SimEngineReplica(ReportsLoad):
             engine.finish_step(max(end, self._now()))
             events = engine.cache.take_events()
             if events and self._publisher is not None:
-                self._publisher.publish(vllm_event_batch(events))
+                self._publisher.publish(event_batch(events))
             self.load.observe_engine(len(engine.waiting), engine.cache.used_blocks / engine.cache.num_blocks,
                                      self._reused / self._prompted if self._prompted else 0.0)
             for progress in self._progress.values():
@@ -248,7 +242,8 @@ class SimEngineReplica(ReportsLoad):
         if held is not None:
             delta.hold = Hold(
                 engine_id=self.engine_id, host=self._node_ip, port=0, block_ids=[[len(held.refs) + held.private]],
-                num_tokens=held.num_tokens, request_id=sim.request_id,
+                num_tokens=held.num_tokens, hold_id=HoldId(self.engine_id, next(self._hold_serials)),
+                request_id=sim.request_id,
                 extra={HOLDER_KEY: self.replica_id, NODE_KEY: self.sim_node},
             ).sealed(self._hold_key, sim.token_ids + sim.output_ids)
         return delta

@@ -2,12 +2,12 @@
 
 The mirror follows the directory actor's change feed (`kvtransfer/directory_index/changes.py`) from a background task
 and answers `lookup` and `live` locally, as llm-d's and Dynamo's routers keep their block index in-process.
-The actor stays the record and the only place a hold is consumed: `consume_hold` asks it, and uses the hold
-only if it is the very one this mirror offered. A mirror that lags costs speed (a missed reuse, a hold
-already gone), never a wrong answer.
+The actor stays the record and the only place a hold is consumed: `consume_hold` asks it for the hold by its id,
+so it uses the hold only if it is the very one this mirror offered. A mirror that lags costs speed (a missed reuse,
+a hold already gone), never a wrong answer.
 
-Hold ids differ between the actor and its mirrors (each directory numbers its own holds and cache chains);
-the mirror maps the actor's id of every hold it copies to its own.
+A hold has one id everywhere, the `HoldId` its replica minted at export: the actor, its feed and every mirror
+name it by that.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
 from kvtransfer.directory_index.changes import Changes
 from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.prefix_key import PrefixKey
-from kvtransfer.types import Hold, LookupResult
+from kvtransfer.types import Hold, HoldId, LookupResult
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +50,9 @@ class DirectoryMirror:
         self.resyncs = 0
         self._copy = KVDirectory(block_size)
         self._replicas = ReplicaRegistry(dead_after_s)
-        self._local_id: dict[int, int] = {}  # the actor's hold id -> this copy's
-        self._actor_id: dict[int, int] = {}  # and back
-        self._gone: deque[int] = deque(maxlen=4096)  # actor hold ids consumed lately (a late copy is skipped)
+        self._gone: deque[HoldId] = deque(maxlen=4096)  # holds consumed lately (a late copy is skipped)
         self._task: asyncio.Task | None = None
-        self._pending: dict[int, asyncio.Task] = {}  # local hold id -> its recording at the actor, until answered
+        self._pending: dict[HoldId, asyncio.Task] = {}  # a hold's recording at the actor, until answered
         self._background: set[asyncio.Task] = set()  # asyncio keeps weak references to tasks only
 
     # ----- following the actor
@@ -91,9 +89,6 @@ class DirectoryMirror:
             self._replicas = ReplicaRegistry(self.dead_after_s)
             for identity, stats in changes.live or ():
                 self._replicas.heartbeat(identity, stats)
-            # The snapshot's holds carry the actor's ids, and this copy now numbers on from there.
-            self._local_id = {h: h for h in self._copy._holds}
-            self._actor_id = dict(self._local_id)
             self.resyncs += 1
         for update in changes.updates:
             self._apply(update)
@@ -107,29 +102,22 @@ class DirectoryMirror:
         elif kind == "leave":
             self._forget(update[1])
         elif kind == "hold":
-            _, replica_id, key, hold, expires_at, hold_id, prompt_tokens = update
-            self._copy_hold(replica_id, key, hold, expires_at, hold_id, prompt_tokens)
+            _, replica_id, key, hold, expires_at, prompt_tokens = update
+            self._copy_hold(replica_id, key, hold, expires_at, prompt_tokens)
         elif kind == "consume":
             self._drop_hold(update[1])
         elif kind == "resident":
             self._copy.apply_resident(update[1], update[2])
 
-    def _copy_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, actor_id: int,
-                   prompt_tokens: int) -> None:
-        if actor_id in self._local_id or actor_id in self._gone:
-            return
-        result = self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens)
-        if result.hold_id is not None:
-            self._local_id[actor_id] = result.hold_id
-            self._actor_id[result.hold_id] = actor_id
+    def _copy_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, prompt_tokens: int) -> None:
+        """Copy a hold the actor kept, unless taken lately. A hold this copy has already (recorded here before the
+        actor answered, or delivered twice) stays as it is: the entry a turn of this ingress may have planned with."""
+        if hold.hold_id not in self._gone:
+            self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens)
 
-    def _drop_hold(self, actor_id: int) -> Hold | None:
-        self._gone.append(actor_id)
-        local = self._local_id.pop(actor_id, None)
-        if local is None:
-            return None
-        self._actor_id.pop(local, None)
-        return self._copy.consume_hold(local)
+    def _drop_hold(self, hold_id: HoldId) -> Hold | None:
+        self._gone.append(hold_id)
+        return self._copy.consume_hold(hold_id)
 
     def _forget(self, replica_id: str) -> None:
         self._replicas.remove(replica_id)
@@ -167,63 +155,47 @@ class DirectoryMirror:
         Until the actor answers, the hold is offered here but only usable through this mirror: `consume_hold`
         waits for the answer; if the actor refused the hold, the copy drops it too.
         """
-        local = self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens).hold_id
+        self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens)
         task = asyncio.get_running_loop().create_task(
-            self._record_at_actor(local, replica_id, key, hold, expires_at, at_actor_after_s, prompt_tokens))
-        if local is not None:
-            self._pending[local] = task
+            self._record_at_actor(replica_id, key, hold, expires_at, at_actor_after_s, prompt_tokens))
+        self._pending[hold.hold_id] = task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
     async def _record_at_actor(
-        self, local: int | None, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, after_s: float,
-        prompt_tokens: int,
+        self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, after_s: float, prompt_tokens: int,
     ) -> None:
         try:
             await asyncio.sleep(after_s)
             answer = await self.directory.record_hold.remote(replica_id, key, hold, expires_at,
                                                              prompt_tokens=prompt_tokens)
-            actor_id = answer.hold_id
+            kept = answer.kept
         except Exception as exc:  # the directory restarts: the hold is not offered, its lease frees it
             logger.warning("could not record a hold of %s at the KV directory: %s", replica_id, exc)
-            actor_id = None
+            kept = False
         finally:
-            self._pending.pop(local, None)
-        if local is None:  # this copy knew a deeper hold already; follow the actor's answer as the feed would
-            if actor_id is not None:
-                self._copy_hold(replica_id, key, hold, expires_at, actor_id, prompt_tokens)
-            return
-        if actor_id is None or actor_id in self._gone:  # refused by the actor, or taken already
-            self._copy.consume_hold(local)
-            return
-        feed_copy = self._local_id.get(actor_id)
-        if feed_copy is not None:
-            # The feed delivered the hold before the answer (a loaded machine): keep this copy's own entry, the
-            # one this ingress's next turn may already have planned a pull with, and drop the feed's.
-            self._actor_id.pop(feed_copy, None)
-            self._copy.consume_hold(feed_copy)
-        self._local_id[actor_id] = local
-        self._actor_id[local] = actor_id
+            self._pending.pop(hold.hold_id, None)
+        if kept:
+            # Follow the answer as the feed will: this copy may lack the hold (a snapshot replaced the copy meanwhile,
+            # or it did not keep it), and the feed may have brought it already (a loaded machine: kept as it is).
+            self._copy_hold(replica_id, key, hold, expires_at, prompt_tokens)
+        else:  # refused by the actor: nobody can take it
+            self._copy.consume_hold(hold.hold_id)
 
-    async def consume_hold(self, local_id: int) -> Hold | None:
-        """Take a hold this mirror offered: once, and only if the actor still has exactly that hold. None if it is
-        gone, or the actor cannot say (it died or is restarting: the turn then computes instead)."""
+    async def consume_hold(self, hold_id: HoldId) -> Hold | None:
+        """Take a hold this mirror offered: once, and only if the actor still has it. None if it is gone, or the actor
+        cannot say (it died or is restarting: the turn then computes instead)."""
         try:
-            pending = self._pending.get(local_id)
+            pending = self._pending.get(hold_id)
             if pending is not None:
                 await asyncio.shield(pending)
-            actor_id = self._actor_id.get(local_id)
-            if actor_id is None:
-                return None
-            offered = self._drop_hold(actor_id)
-            hold = await self.directory.consume_hold.remote(actor_id)
+            if self._drop_hold(hold_id) is None:
+                return None  # gone from this copy: taken, released, refused or expired meanwhile
+            return await self.directory.consume_hold.remote(hold_id)
         except Exception as exc:
-            logger.warning("could not take hold %s from the KV directory: %s", local_id, exc)
+            logger.warning("could not take hold %s from the KV directory: %s", hold_id, exc)
             return None
-        if hold is None or hold != offered:
-            return None  # pulled, released or expired meanwhile, or not the hold this mirror knew
-        return hold
 
     async def deregister(self, replica_id: str) -> None:
         """Forget a replica here at once, and at the actor (a restarted actor has forgotten it already)."""
@@ -237,5 +209,5 @@ class DirectoryMirror:
         return {
             "epoch": self.epoch, "seq": self.seq, "answers": self.answers, "updates_applied": self.updates_applied,
             "resyncs": self.resyncs,
-            "holds": len(self._local_id), "replicas": len(self._replicas.live()), "at": time.time(),
+            "holds": self._copy.stats().holds, "replicas": len(self._replicas.live()), "at": time.time(),
         }

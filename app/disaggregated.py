@@ -37,8 +37,9 @@ class DisaggregatedTurnRunner(TurnRunner):
         block_size: int,
         hold_ttl_s: float,
         max_migrations: int = 2,
+        modelled_engines: bool = False,
     ) -> None:
-        super().__init__(engines, directory, cost, model, block_size, hold_ttl_s, max_migrations)
+        super().__init__(engines, directory, cost, model, block_size, hold_ttl_s, max_migrations, modelled_engines)
         self.decode_engines = decode_engines
 
     def _targets(self) -> list[str] | None:

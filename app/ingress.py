@@ -71,12 +71,12 @@ class Ingress:
         if decode_engines is None:
             self.runner = TurnRunner(
                 engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s,
-                self.config.max_migrations,
+                self.config.max_migrations, modelled_engines=engine.kind == "sim",
             )
         else:
             self.runner = DisaggregatedTurnRunner(
                 engines, decode_engines, self.mirror, cost, engine.model, engine.block_size, engine.nixl.hold_ttl_s,
-                self.config.max_migrations,
+                self.config.max_migrations, modelled_engines=engine.kind == "sim",
             )
         self.metrics = IngressMetrics(shape.kv_bytes)
         self.turns_running = 0
@@ -84,10 +84,11 @@ class Ingress:
         self.openai = OpenAITurns(self.frontend, model, self.max_model_len, engine.fast_prefill,
                                   self.policy, self._run)
         vocab = len(self.frontend.renderer.renderer.get_tokenizer())
+        # `calibrate: false`: the task ends at once and the cost model keeps its priors.
         self._calibration = asyncio.get_running_loop().create_task(calibrate(
             self._calibration_turn, self._prefill_replicas, self.config.pool.num_replicas, cost, vocab,
             self.max_model_len,
-        ))
+        ) if self.config.calibrate else asyncio.sleep(0))
         self.http = HttpApi(
             keys=keys, openai=self.openai, frontend=self.frontend, metrics=self.metrics, own_work=self.own_work,
             runner=self.runner, pools={PREFILL_POOL: engines, **pools}, directory=directory, mirror=self.mirror,

@@ -22,7 +22,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
-from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats
+from actors.replica_api import GenerateDelta, GenerateRequest, ReplicaStats, ReplyParams
 from app.directory_mirror import DirectoryMirror
 from app.feedback import Feedback
 from app.holds import Holds
@@ -69,7 +69,9 @@ class TurnRunner:
         block_size: int,
         hold_ttl_s: float,
         max_migrations: int = 2,
+        modelled_engines: bool = False,
     ) -> None:
+        """`modelled_engines`: the pools run simulated replicas (`engine.kind: sim`), sent `ReplyParams`."""
         self.engines = engines
         self.directory = directory
         self.cost = cost
@@ -77,6 +79,7 @@ class TurnRunner:
         self.block_size = block_size
         self.hold_ttl_s = hold_ttl_s
         self.max_migrations = max_migrations
+        self.modelled_engines = modelled_engines
         self.counters: Counter = Counter(pulls_verified=0, pulls_refused=0)  # shown in stats from the start
         self._rotation = 0  # turn counter for the round-robin baselines
         self.inflight = InFlight()
@@ -240,7 +243,7 @@ class TurnRunner:
         return GenerateRequest(
             request_id=f"{turn.request_id}-{stage}-{'kv' if pull else 'run'}",
             prompt_token_ids=turn.token_ids,
-            params=turn.params,
+            params=ReplyParams.of(turn.params) if self.modelled_engines else turn.params,
             pull=pull,
             own_hold=pull is not None and plan.mode is Mode.LOCAL,
             target_replica=plan.replica_id or None,

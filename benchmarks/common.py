@@ -137,13 +137,14 @@ class BenchApp:
 def start_app(
     model: str | None = None, num_replicas: int = 2, pool: dict[str, Any] | None = None,
     throughput_optimized: bool = False, decode_pool: dict[str, Any] | None = None, app: dict[str, Any] | None = None,
-    **engine: Any
+    ingress_replicas: int = 1, **engine: Any
 ) -> BenchApp:
     """Start Ray and serve a kvrelay app (default model unless given); waits until replicas report.
 
     `pool` adds PoolConfig fields (e.g. `num_gpus: 1` on GPU machines); `engine` adds EngineConfig fields.
     `decode_pool` (PoolConfig fields; its `engine` merged over `engine`) makes it prefill/decode disaggregated.
-    `app` adds AppConfig fields (e.g. `openai`).
+    `app` adds AppConfig fields (e.g. `openai`). `ingress_replicas` runs that many ingress replicas, each with its own
+    mirror of the directory (as serve_config.yaml's `deployments` override would).
     `throughput_optimized` runs Ray Serve's fast path (RAY_SERVE_THROUGHPUT_OPTIMIZED) in the cluster; this
     driver keeps its handles' router on a loop of its own so that its blocking calls still work."""
     loopback_ray_env()
@@ -178,7 +179,12 @@ def start_app(
     if decode_pool is not None:
         decode_engine = dict(engine, **decode_pool.get("engine", {}), model=model)
         config |= {"topology": "disaggregated", "decode_pool": dict(decode_pool, engine=decode_engine)}
-    serve.run(build_app(config), name="bench", route_prefix="/")
+    application = build_app(config)
+    if ingress_replicas != 1:
+        from ray.serve import Application
+
+        application = Application(application._bound_deployment.options(num_replicas=ingress_replicas))
+    serve.run(application, name="bench", route_prefix="/")
     bench = BenchApp(
         ingress=serve.get_app_handle("bench"),
         engines=serve.get_deployment_handle("engines", app_name="bench"),

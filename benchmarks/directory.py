@@ -28,7 +28,7 @@ from actors.kv_directory import KVDirectoryActor
 from benchmarks.common import machine, write_result
 from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.prefix_key import PrefixKey, Scope
-from kvtransfer.types import Hold
+from kvtransfer.types import Hold, HoldId
 
 SCOPE = Scope("bench-model", "bench-tenant")
 VOCAB = 50_000
@@ -50,6 +50,7 @@ def kv_hold(index: int, blocks: int, num_tokens: int) -> Hold:
         port=5600 + index % 4,
         block_ids=[list(range(index * blocks, (index + 1) * blocks))],
         num_tokens=num_tokens,
+        hold_id=HoldId(f"engine-{index % 4}", index),
         request_id=f"req-{index}",
         expiry_time=0.0,
         extra={"tp_size": 1},

@@ -19,6 +19,7 @@ Deterministic for a seed: one heap of events, ties broken by insertion order.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -36,7 +37,7 @@ from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as EngineHold
 from kvtransfer.sim.engine import SimEngine, SimRequest
 from kvtransfer.sim.profile import EngineProfile
-from kvtransfer.types import Hold
+from kvtransfer.types import Hold, HoldId
 
 MODEL = "sim"
 RATE_WINDOW_S = 10.0  # as the ingress's InFlight counts arrival rates
@@ -80,7 +81,8 @@ class Fleet:
         self.met: set[tuple[str, str]] = set()
         self.result = FleetResult()
         self._turns: dict[str, TurnInFlight] = {}
-        self._holds: dict[str, EngineHold] = {}  # request id -> the modelled engine's hold
+        self._holds: dict[HoldId, EngineHold] = {}  # the directory's hold -> the modelled engine's
+        self._hold_serials = itertools.count()  # the holds' ids, minted as the replicas mint them (`HoldId`)
         self._arrivals: dict[str, deque[tuple[float, str]]] = {e.replica_id: deque() for e in self.engines}
         self._rotation = 0
         self._request_seq = 0
@@ -207,7 +209,7 @@ class Fleet:
     def _read_hold(self, t: TurnInFlight, target: SimEngine) -> None:
         """Take the planned hold from the directory and start its read (a pull, or a copy inside the holder)."""
         hold = self.directory.consume_hold(t.plan.hold.hold_id)
-        engine_hold = self._holds.pop(hold.request_id, None) if hold is not None else None
+        engine_hold = self._holds.pop(hold.hold_id, None) if hold is not None else None
         if engine_hold is None or engine_hold.released or hold.num_tokens > len(t.prompt) - 1:
             self.result.counters["holds_gone"] += 1
             return
@@ -246,7 +248,7 @@ class Fleet:
                 self.cost.observe_pull(r.reused_tokens - plan.cached_tokens, t.kv_wait_ms)
         for offer in plan.superseded:  # the turn has read what it reuses: older holds of its history only pin blocks
             hold = self.directory.consume_hold(offer.hold_id)
-            engine_hold = self._holds.pop(hold.request_id, None) if hold is not None else None
+            engine_hold = self._holds.pop(hold.hold_id, None) if hold is not None else None
             if engine_hold is not None:
                 engine_hold.release()
                 self.result.counters["holds_released"] += 1
@@ -312,15 +314,16 @@ class Fleet:
         self._kick(target)
 
     def _record_hold(self, engine: SimEngine, r: SimRequest, hold: EngineHold, live: LiveConversation) -> None:
+        hold_id = HoldId(engine.replica_id, next(self._hold_serials))
         record = Hold(engine_id=engine.replica_id, host="sim", port=0, block_ids=[[]], num_tokens=hold.num_tokens,
-                      request_id=r.request_id)
+                      hold_id=hold_id, request_id=r.request_id)
         result = self.directory.record_hold(engine.replica_id, live.key.truncate(hold.num_tokens), record,
                                             hold.expires_at, prompt_tokens=r.prompt_len)
-        if result.hold_id is None:
+        if not result.kept:
             hold.release()
             return
-        self._holds[r.request_id] = hold
-        self.at(hold.expires_at, lambda: (hold.release(), self._holds.pop(r.request_id, None),
+        self._holds[hold_id] = hold
+        self.at(hold.expires_at, lambda: (hold.release(), self._holds.pop(hold_id, None),
                                           self._report_events(engine)))
 
     # ----- calibration and serving

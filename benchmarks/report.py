@@ -101,7 +101,14 @@ SECTIONS: list[Section] = [
             "replicas of an engine profile measured on the same machine kind (`python -m benchmarks.sim_fidelity`).",
             render_sim_fidelity),
     Section("Control plane", ("control_plane.json",),
-            "The directory's and the planner's own costs at fleet scale.", generic("control_plane.json")),
+            "The directory's and the planner's own costs at fleet scale: the real ingress, directory and mirror over "
+            "simulated replicas (`benchmarks.control_plane`).", generic("control_plane.json")),
+    Section("An ingress replica's capacity", ("ingress_capacity.json",),
+            "Streamed tokens per second through one and two ingress replicas over simulated H100 replicas at their "
+            "modelled speed (`benchmarks.ingress_capacity`).", generic("ingress_capacity.json")),
+    Section("Autoscaling on simulated replicas", ("sim_autoscaling.json",),
+            "The engine pool from 2 replicas to 8 and back under a load ramp (`benchmarks.sim_autoscaling`).",
+            generic("sim_autoscaling.json")),
     *[Section(f"Multi-turn routing: {label}", (name,),
               "kvrelay against the routers users would otherwise run, every policy on the same two engines "
               "(`benchmarks.multi_turn`).", render_multi_turn(name)) for name, label in MULTI_TURN.items()],

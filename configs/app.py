@@ -129,6 +129,10 @@ class AppConfig(BaseModel):
     # Turns one ingress replica runs at once; a request beyond them gets 429 with Retry-After at once rather than
     # a place in an unbounded queue.
     ingress_max_turns: int = Field(default=256, ge=1)
+    # Time recomputes and pulls on the live replicas at start-up to fit the cost model (kvtransfer/calibration.py).
+    # Off, placement starts from the cost model's priors and learns from served turns alone, and the app is ready
+    # sooner (the calibration takes about 20 s for serve_config.yaml's two replicas on CPU).
+    calibrate: bool = True
     # How often one turn may move to another replica because the one serving it died (its stream continues there
     # from the tokens already sent); beyond that the client gets an error (0: never move).
     max_migrations: int = Field(default=2, ge=0)

@@ -25,8 +25,9 @@ the engine reads `min(remote_num_tokens, len(prompt))` tokens' blocks (less its 
 computes the rest, and exports a hold of its own. Sending the hold unchanged (`do_remote_prefill=True`)
 makes the engine claim the *whole* prompt as remote and silently produce wrong tokens.
 
-A hold is parsed once into `kvtransfer.types.Hold` where a replica receives it from vLLM; `Hold.pull_params`,
-`decode_params` (P/D) and `release_params` give the dicts a replica hands back.
+A hold is parsed once into `kvtransfer.types.Hold` where a replica receives it from vLLM, and named there by the id
+the replica mints (`HoldId`: its engine id and a serial), which the KV directory and its mirrors know it by;
+`Hold.pull_params` (a pull, P/D's handoff too) and `release_params` give the dicts a replica hands back.
 
 vLLM checks no token ids: a hold may only be pulled into a prompt that starts with exactly its tokens,
 only once (after a pull the holder frees the blocks, a second read returns garbage), and only before its

@@ -211,22 +211,22 @@ class NixlConnector(NixlPullConnector):
 
     def _read_own_hold(self, req_id: str, meta: Any) -> None:
         worker = self.connector_worker
-        hold_id = meta.remote.request_id
-        alive = hold_id in worker._reqs_to_send and worker._reqs_to_send[hold_id] > time.perf_counter()
+        hold_request_id = meta.remote.request_id
+        alive = hold_request_id in worker._reqs_to_send and worker._reqs_to_send[hold_request_id] > time.perf_counter()
         if meta.awaiting_kvs:
             if alive and worker.device_type == "cpu":
                 copied = copy_blocks_within(worker, meta.remote.block_ids, meta.local_block_ids)
                 logger.debug("request %s read its own engine's hold %s (%d block regions copied)",
-                             req_id, hold_id, copied)
+                             req_id, hold_request_id, copied)
                 self._own_reads_done.add(req_id)
             else:
                 logger.warning("request %s cannot read hold %s of its own engine (%s); it is recomputed",
-                               req_id, hold_id, "not in host memory" if alive else "its lease ended")
+                               req_id, hold_request_id, "not in host memory" if alive else "its lease ended")
                 self._own_reads_failed.add(req_id)
         if alive:  # read (or not needed: a full local hit): free its blocks, as a remote reader's notice does
-            worker._reqs_to_send.pop(hold_id, None)
-            worker._reqs_to_process.discard(hold_id)
-            self._own_holds_read.add(hold_id)
+            worker._reqs_to_send.pop(hold_request_id, None)
+            worker._reqs_to_process.discard(hold_request_id)
+            self._own_holds_read.add(hold_request_id)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)
@@ -248,10 +248,10 @@ class NixlConnector(NixlPullConnector):
         return results
 
     def _record_verdict(self, req_id: str, verdict: str) -> None:
-        hold_id = self._reads.pop(req_id, None)
-        if hold_id is None:
+        hold_request_id = self._reads.pop(req_id, None)
+        if hold_request_id is None:
             return
-        self._verdicts[hold_id] = verdict
+        self._verdicts[hold_request_id] = verdict
         while len(self._verdicts) > MAX_VERDICTS:
             self._verdicts.popitem(last=False)
 

@@ -1,9 +1,10 @@
 """What engine replicas, the KV directory, its mirrors, the planner and the turn runner hand each other.
 
 A `Hold` is an engine's exported KV, parsed once from vLLM's `kv_transfer_params` where the replica receives it
-(the wire contract is written down in `kvtransfer/connector.py`); the dict form exists again only where a
-replica hands it back to vLLM. `LookupResult` is the directory's answer to "who holds this prefix". Nothing
-here imports anything of ours, so `actors/` and the pure planner both depend on this module, never on each other.
+(the wire contract is written down in `kvtransfer/connector.py`) and named there by its `HoldId`; the dict form
+exists again only where a replica hands it back to vLLM. `LookupResult` is the directory's answer to "who holds
+this prefix". Nothing here imports anything of ours, so `actors/` and the pure planner both depend on this module,
+never on each other.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def token_digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(b"".join(t.to_bytes(4, "little") for t in token_ids), digest_size=16).hexdigest()
 
 
+class HoldId(NamedTuple):
+    """A hold's one name, minted by the replica that exports it: its engine and a serial the replica counts up. The KV
+    directory actor, its change feed and every ingress's mirror name the hold by it, and taking it by this id takes
+    exactly that hold. An engine id is new at every engine start (`{replica_id}-{random}`), so an id never names two
+    holds; within one engine, a higher serial is a newer hold."""
+
+    engine_id: str
+    serial: int
+
+
 @dataclass(frozen=True, slots=True)
 class Hold:
     """A finished request's KV blocks that its engine keeps for one pull by another engine (NIXL), until its lease ends.
@@ -40,6 +51,7 @@ class Hold:
     port: int
     block_ids: list[list[int]]  # per KV cache group (remote_block_ids)
     num_tokens: int  # the leading tokens of prompt + output whose KV the blocks hold (remote_num_tokens)
+    hold_id: HoldId  # minted by the holder's replica at export
     request_id: str | None = None  # the holder's internal request id (remote_request_id)
     expiry_time: float | None = None  # the holder's perf_counter deadline, if it sent one (remote_blocks_expiry_time)
     # The other fields vLLM sent (parallel sizes, transfer mode), handed back to it unchanged.
@@ -51,8 +63,9 @@ class Hold:
     seal: str | None = None
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> Hold | None:
-        """The hold an engine's returned `kv_transfer_params` describe; None if they describe no pullable hold."""
+    def from_params(cls, params: dict[str, Any] | None, hold_id: HoldId) -> Hold | None:
+        """The hold an engine's returned `kv_transfer_params` describe, named `hold_id`; None if they describe no
+        pullable hold."""
         if not params or any(params.get(f) is None for f in _REQUIRED) or params["remote_num_tokens"] <= 0:
             return None
         return cls(
@@ -61,6 +74,7 @@ class Hold:
             port=params["remote_port"],
             block_ids=params["remote_block_ids"],
             num_tokens=int(params["remote_num_tokens"]),
+            hold_id=hold_id,
             request_id=params.get("remote_request_id"),
             expiry_time=params.get("remote_blocks_expiry_time"),
             extra={k: v for k, v in params.items() if k not in _TYPED and k not in _FLAGS},
@@ -81,7 +95,7 @@ class Hold:
                 and hmac.compare_digest(self.digest, token_digest(prompt_token_ids[: self.num_tokens])))
 
     def _mac(self, key: bytes) -> str:
-        fields = [self.engine_id, self.host, self.port, self.block_ids, self.num_tokens, self.request_id,
+        fields = [self.engine_id, self.host, self.port, self.block_ids, self.num_tokens, self.hold_id, self.request_id,
                   self.expiry_time, self.extra, self.digest]
         return hmac.new(key, json.dumps(fields, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
@@ -111,14 +125,17 @@ class Hold:
 class HoldOffer(NamedTuple):
     """An unexpired exported hold whose every token is a prefix of the query: pullable over NIXL.
 
-    `hold_id` is the offering directory's own id: take the hold from that directory (`consume_hold`).
+    Take it by its `hold_id` (`consume_hold`), from the directory actor or any mirror of it.
     """
 
-    hold_id: int
     replica_id: str
     num_tokens: int
     expires_at: float
     hold: Hold
+
+    @property
+    def hold_id(self) -> HoldId:
+        return self.hold.hold_id
 
 
 class ReplicaMatch(NamedTuple):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import tempfile
@@ -13,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvtransfer.types import Hold
+from kvtransfer.types import Hold, HoldId
 
 # Set before anything imports ray or vllm: loopback only, no token file, no usage reporting, offline.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -91,12 +92,16 @@ def ray_cluster() -> Iterator[Any]:
 DIRECTORY_BLOCK_SIZE = 4
 
 
+_HOLD_SERIALS = itertools.count()
+
+
 def make_hold(
     num_tokens: int, engine_id: str = "e1", request_id: str = "req-1", block_ids: list[list[int]] | None = None
 ) -> Hold:
-    """A hold as an engine replica reports it (the fields vLLM's connector exports)."""
+    """A new hold as an engine replica reports it: the fields vLLM's connector exports, and an id of its own, minted
+    as a replica mints it (every call is another hold)."""
     return Hold(engine_id=engine_id, host="127.0.0.1", port=1, block_ids=block_ids or [[1, 2, 3]],
-                num_tokens=num_tokens, request_id=request_id)
+                num_tokens=num_tokens, hold_id=HoldId(engine_id, next(_HOLD_SERIALS)), request_id=request_id)
 
 
 def start_directory_actor(name: str, block_size: int = DIRECTORY_BLOCK_SIZE) -> Any:
@@ -184,6 +189,15 @@ def run_app(name: str, route_prefix: str, port: int, **config: Any) -> ServedApp
     serve.run(build_app({"log_level": "WARNING", **config, "name": name}), name=name, route_prefix=route_prefix)
     keys = config.get("openai", {}).get("api_keys") or [None]
     return ServedApp(name, f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", keys[0])
+
+
+def delete_app(name: str) -> None:
+    """Delete app `name` without waiting for it to go: its replicas drain (Serve's wait loop), deregister and stop
+    their engines (about 15 s a blocking delete waited) while the next tests start. No test reads an app after its own
+    tests; the session's `serve.shutdown()` waits for any still stopping."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
 
 
 TINY_ENGINE = {

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from app.autoscaling import EngineAutoscalingPolicy
-from tests.conftest import TINY_ENGINE, ServedApp, run_app
+from tests.conftest import TINY_ENGINE, ServedApp, delete_app, run_app
 
 
 def tick(current: int, queued: float = 0.0, **metrics: dict[str, float]) -> SimpleNamespace:
@@ -74,8 +74,6 @@ class ScalingApp:
 
 @pytest.fixture(scope="module")
 def scaling(serve_port):
-    from ray import serve
-
     started = time.monotonic()
     app = run_app("scaling", "/scaling", serve_port,
                   pool={"num_replicas": 1, "engine": dict(TINY_ENGINE, model="tiny-llama"), "autoscaling": SCALING})
@@ -84,7 +82,7 @@ def scaling(serve_port):
     # The start-up calibration's turns would add to the load of whichever phase they fell in.
     app.ingress.calibrated.remote().result(timeout_s=300)
     yield ScalingApp(app, start_s)
-    serve.delete("scaling")
+    delete_app("scaling")
 
 
 def engine_states(app_name: str = "scaling") -> dict[str, int]:

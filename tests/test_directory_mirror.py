@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from app.directory_mirror import DirectoryMirror
 from kvtransfer.directory_index.results import StoreResident
-from kvtransfer.types import Hold
 from tests.conftest import make_hold
 from tests.test_kv_directory_actor import BS, key
-
-
-def new_hold(n: int, engine: str = "e1") -> Hold:
-    return make_hold(n, engine, request_id=uuid.uuid4().hex)
 
 
 def identity(replica_id: str) -> ReplicaIdentity:
@@ -48,7 +42,7 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
         # Updates arrive through the actor, from replicas (heartbeats, cache events) and other ingresses (holds).
         await directory.heartbeat.remote(identity("r1"), stats("r1"))
         await directory.heartbeat.remote(identity("r2"), stats("r2"))
-        await directory.record_hold.remote("r1", conv, new_hold(16), time.time() + 3600, prompt_tokens=13)
+        await directory.record_hold.remote("r1", conv, make_hold(16), time.time() + 3600, prompt_tokens=13)
         await directory.apply_resident.remote("r2", [StoreResident(None, conv.block_hashes[:2])])
         await until(lambda: len(mirror.lookup(conv.extend([9])).matches) == 2)
         assert [r.replica_id for r in mirror.live()] == ["r1", "r2"]
@@ -56,8 +50,9 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
         assert local.get("r1").hold.num_tokens == 16 and local.get("r2").cached_tokens == 8
         remote = await directory.lookup.remote(conv.extend([9]))
 
-        def shape(result):  # hold ids are each directory's own
-            return [(m.replica_id, m.kind, m.num_tokens, m.cached_tokens) for m in result.matches]
+        def shape(result):  # a hold has one id in every copy: the one its replica minted
+            return [(m.replica_id, m.kind, m.num_tokens, m.cached_tokens, m.hold and m.hold.hold_id)
+                    for m in result.matches]
 
         assert shape(local) == shape(remote)
         # The hold's turn had a 13-token prompt: a next turn whose reply tokens came back different continues it.
@@ -74,7 +69,7 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
 
 def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
     conv = key(range(12))
-    hold = new_hold(12)
+    hold = make_hold(12)
 
     async def scenario() -> None:
         mirrors = [DirectoryMirror(directory, BS) for _ in range(2)]
@@ -98,7 +93,7 @@ def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
 
 def test_a_hold_taken_before_the_directory_answered_is_still_handed_out_once(directory: Any) -> None:
     conv = key(range(20))
-    hold = new_hold(20)
+    hold = make_hold(20)
 
     async def scenario() -> None:
         mirror = DirectoryMirror(directory, BS)
@@ -140,7 +135,7 @@ class SlowAnswers:
 
 def test_a_hold_planned_before_the_feed_and_the_answer_arrive_is_still_pulled(directory: Any) -> None:
     conv = key(range(24))
-    hold = new_hold(24)
+    hold = make_hold(24)
 
     async def scenario() -> None:
         mirror = DirectoryMirror(SlowAnswers(directory), BS)
@@ -164,7 +159,7 @@ def test_a_mirror_resyncs_after_the_directory_restarts(ray_cluster: Any, directo
         mirror = DirectoryMirror(directory, BS)
         mirror.start()
         await until(lambda: mirror.epoch is not None, timeout_s=30)
-        await directory.record_hold.remote("r1", conv, new_hold(8), time.time() + 3600)
+        await directory.record_hold.remote("r1", conv, make_hold(8), time.time() + 3600)
         await until(lambda: mirror.lookup(conv).get("r1") is not None)
         epoch = mirror.epoch
         ray.kill(directory, no_restart=False)
@@ -172,7 +167,7 @@ def test_a_mirror_resyncs_after_the_directory_restarts(ray_cluster: Any, directo
         await until(lambda: mirror.epoch not in (None, epoch), timeout_s=60)
         assert mirror.lookup(conv).matches == ()
         assert mirror.resyncs == 2
-        await directory.record_hold.remote("r2", conv, new_hold(8, "e2"), time.time() + 3600)
+        await directory.record_hold.remote("r2", conv, make_hold(8, "e2"), time.time() + 3600)
         await until(lambda: mirror.lookup(conv).get("r2") is not None)
 
     asyncio.run(scenario())

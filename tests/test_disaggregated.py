@@ -6,14 +6,12 @@ import random
 
 import pytest
 
-from tests.conftest import TINY_ENGINE, run_app
+from tests.conftest import TINY_ENGINE, delete_app, run_app
 from tests.test_turns import GREEDY, TURNS, user_tokens
 
 
 @pytest.fixture(scope="module")
 def disagg_app(serve_port):
-    from ray import serve
-
     engine = dict(TINY_ENGINE, model="tiny-llama")
     # As in vLLM PR #32553's experiment, the prefill side keeps no prefix cache: the history can only come back
     # from the decoder, so every later turn must pull it.
@@ -23,7 +21,7 @@ def disagg_app(serve_port):
     app.replica_ids(2)
     app.ingress.calibrated.remote().result(timeout_s=300)
     yield app
-    serve.delete("disagg")
+    delete_app("disagg")
 
 
 def test_disaggregated_turns_prefill_hand_over_and_reuse_the_decoders_hold(disagg_app, tiny_app):

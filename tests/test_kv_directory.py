@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.directory_index.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
 from kvtransfer.prefix_key import PrefixKey, Scope, chain_hashes, scope_seed
 from kvtransfer.sim.block_cache import VLLM_NONE_HASH_SEED, external_block_hash, vllm_block_hashes
-from kvtransfer.types import Hold, LookupResult
+from kvtransfer.types import Hold, HoldId, LookupResult
 from tests.conftest import make_hold
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_hashes_are_identical_in_another_process() -> None:
 def test_hold_is_offered_for_exact_token_count_including_partial_last_block(directory: KVDirectory) -> None:
     history = directory.key(range(10), A)  # 2 full blocks + 2 tail tokens
     rec = directory.record_hold("r1", history, hold(1, 10), expires_at=2000.0)
-    assert rec.hold_id is not None and rec.new_entries == 2
+    assert rec.kept and rec.new_entries == 2
 
     match = directory.lookup(history.extend([50, 51, 52])).best()
     assert match is not None and match.kind == "hold"
@@ -116,19 +117,20 @@ def test_hold_length_comes_from_remote_num_tokens(directory: KVDirectory) -> Non
     directory.record_hold("r1", key, hold(1, 11), expires_at=2000.0)
     match = directory.lookup(key.extend([1])).best()
     assert match is not None and match.hold is not None and match.num_tokens == 11
-    assert directory.record_hold("r1", key, hold(2, 3), expires_at=2000.0).hold_id is None
+    assert not directory.record_hold("r1", key, hold(2, 3), expires_at=2000.0).kept
 
 
 def test_longest_hold_wins_and_newer_holds_do_not_supersede_older(directory: KVDirectory) -> None:
     turn1 = directory.key(range(9), A)
     turn2 = turn1.extend(range(100, 110))
-    h1 = directory.record_hold("r1", turn1, hold(1, 9), expires_at=2000.0).hold_id
-    h2 = directory.record_hold("r1", turn2, hold(2, 19), expires_at=2000.0).hold_id
+    h1, h2 = hold(1, 9), hold(2, 19)
+    directory.record_hold("r1", turn1, h1, expires_at=2000.0)
+    directory.record_hold("r1", turn2, h2, expires_at=2000.0)
     match = directory.lookup(turn2.extend([7])).best()
-    assert match is not None and match.hold is not None and match.hold.hold_id == h2
+    assert match is not None and match.hold is not None and match.hold.hold_id == h2.hold_id
     # A regenerated turn 2 diverges inside turn 2: turn 1's hold is still offered.
     regen = directory.lookup(turn1.extend([200, 201, 202, 203, 204, 205])).best()
-    assert regen is not None and regen.hold is not None and regen.hold.hold_id == h1
+    assert regen is not None and regen.hold is not None and regen.hold.hold_id == h1.hold_id
     assert regen.cached_tokens == 8  # turn 2's pinned blocks cover 2 full blocks of it
     directory.check_integrity()
 
@@ -160,25 +162,43 @@ def test_a_next_turn_continues_its_conversation_even_when_its_reply_came_back_as
 
 def test_expired_hold_is_never_returned(directory: KVDirectory, clock: FakeClock) -> None:
     key = directory.key(range(8), A)
-    hold_id = directory.record_hold("r1", key, hold(1, 8), expires_at=clock.now + 60).hold_id
-    assert hold_id is not None
+    held = hold(1, 8)
+    assert directory.record_hold("r1", key, held, expires_at=clock.now + 60).kept
     clock.now += 54.9
     assert directory.lookup(key).best() is not None
     clock.now += 0.2  # within the 5 s safety margin of the deadline
     assert directory.lookup(key).matches == ()
-    assert directory.consume_hold(hold_id) is None
+    assert directory.consume_hold(held.hold_id) is None
     assert directory.stats().holds_expired == 1 and directory.stats().entries == 0
-    assert directory.record_hold("r1", key, hold(2, 8), expires_at=clock.now + 4).hold_id is None
+    assert not directory.record_hold("r1", key, hold(2, 8), expires_at=clock.now + 4).kept
     directory.check_integrity()
 
 
 def test_hold_is_single_use(directory: KVDirectory) -> None:
     key = directory.key(range(8), A)
-    hold_id = directory.record_hold("r1", key, hold(1, 8), expires_at=2000.0).hold_id
-    assert hold_id is not None
-    assert directory.consume_hold(hold_id) == hold(1, 8)
-    assert directory.consume_hold(hold_id) is None
+    held = hold(1, 8)
+    assert directory.record_hold("r1", key, held, expires_at=2000.0).kept
+    assert directory.consume_hold(held.hold_id) == held
+    assert directory.consume_hold(held.hold_id) is None
     assert directory.lookup(key).matches == ()
+    directory.check_integrity()
+
+
+def test_a_hold_is_known_by_the_id_its_replica_minted_and_recorded_once(directory: KVDirectory) -> None:
+    key = directory.key(range(8), A)
+    held = hold(1, 8)
+    assert directory.record_hold("r1", key, held, expires_at=2000.0).kept
+    # Recorded again (a mirror's own record and the feed's copy of it): one hold, still offered, taken once.
+    again = directory.record_hold("r1", key, held, expires_at=2000.0)
+    assert again.kept and again.new_entries == 0 and directory.stats().holds == 1
+    assert directory.lookup(key).best().hold.hold_id == held.hold_id
+    # Another export of the same tokens by the same engine is another hold.
+    twin = replace(held, hold_id=held.hold_id._replace(serial=held.hold_id.serial + 1))
+    directory.record_hold("r1", key, twin, expires_at=2000.0)
+    assert directory.stats().holds == 2
+    assert directory.lookup(key).best().hold.hold_id == twin.hold_id  # the newer of two equal holds is offered
+    assert directory.consume_hold(held.hold_id) == held and directory.consume_hold(held.hold_id) is None
+    assert directory.consume_hold(twin.hold_id) == twin
     directory.check_integrity()
 
 
@@ -244,8 +264,8 @@ def test_bounded_by_entries_with_lru_eviction(clock: FakeClock) -> None:
 
 def test_bounded_by_bytes(clock: FakeClock) -> None:
     directory = KVDirectory(4, max_bytes=20_000, clock=clock)
-    big = make_hold(8, block_ids=[list(range(200))])
     for i in range(20):
+        big = make_hold(8, block_ids=[list(range(200))])
         directory.record_hold("r1", directory.key([i] * 8, A), big, expires_at=2000.0)
         assert directory.stats().bytes <= 20_000
     assert 0 < directory.stats().holds < 20
@@ -265,9 +285,9 @@ class BruteForce:
     """The directory's contract, computed by scanning everything."""
 
     def __init__(self) -> None:
-        self.holds: dict[int, tuple[str, Scope, tuple[int, ...], Hold, float]] = {}
+        self.holds: dict[HoldId, tuple[str, Scope, tuple[int, ...], Hold, float]] = {}
         self.flags: dict[str, set[tuple[Scope, tuple[int, ...]]]] = {r: set() for r in REPLICAS}
-        self.prompts: dict[int, int] = {}  # hold id -> the prompt tokens of the turn that left it
+        self.prompts: dict[HoldId, int] = {}  # hold id -> the prompt tokens of the turn that left it
 
     def continues(self, scope: Scope, tokens: tuple[int, ...], now: float) -> bool:
         """Some pending hold's prompt, but for its last token and cut to full blocks, starts `tokens`."""
@@ -278,7 +298,7 @@ class BruteForce:
                 return True
         return False
 
-    def alive(self, now: float) -> dict[int, tuple[str, Scope, tuple[int, ...], Hold, float]]:
+    def alive(self, now: float) -> dict[HoldId, tuple[str, Scope, tuple[int, ...], Hold, float]]:
         return {i: h for i, h in self.holds.items() if now < h[4] - MARGIN}
 
     def held_structurally(self, replica: str, scope: Scope, prefix: tuple[int, ...]) -> bool:
@@ -334,7 +354,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         limits = {"max_entries": 8, "max_bytes": 6_000} if self.bounded else {}
         self.directory = KVDirectory(BS, clock=self.clock, expiry_margin_s=MARGIN, **limits)
         self.model = BruteForce()
-        self.hold_ids: list[int] = []
+        self.hold_ids: list[HoldId] = []
         self.seqs: list[tuple[int, ...]] = [(0, 1, 0, 1, 0, 1, 0, 1), (0, 1, 2, 2, 1, 0)]
 
     def _seq(self, pick: int, extra: tuple[int, ...], cut: int) -> tuple[int, ...]:
@@ -358,16 +378,17 @@ class DirectoryMachine(RuleBasedStateMachine):
         seq = self._seq(pick, extra, cut)
         expires = self.clock.now + ttl
         prompt = min(prompt, len(seq))
-        rec = self.directory.record_hold(replica, PrefixKey.build(seq, scope, BS), hold(seq, len(seq)), expires,
+        held = hold(seq, len(seq))
+        rec = self.directory.record_hold(replica, PrefixKey.build(seq, scope, BS), held, expires,
                                          prompt_tokens=prompt)
         keep = len(seq) >= BS and self.clock.now < expires - MARGIN
         if not self.bounded:
-            assert (rec.hold_id is not None) == keep
-        if rec.hold_id is not None:
+            assert rec.kept == keep
+        if rec.kept:
             assert keep
-            self.hold_ids.append(rec.hold_id)
-            self.model.holds[rec.hold_id] = (replica, scope, seq, hold(seq, len(seq)), expires)
-            self.model.prompts[rec.hold_id] = prompt
+            self.hold_ids.append(held.hold_id)
+            self.model.holds[held.hold_id] = (replica, scope, seq, held, expires)
+            self.model.prompts[held.hold_id] = prompt
 
     @rule(
         replica=st.sampled_from(REPLICAS),

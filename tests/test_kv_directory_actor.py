@@ -42,7 +42,8 @@ async def retry(call: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
 def test_record_lookup_consume_through_ray(directory: Any) -> None:
     async def scenario() -> None:
         history = key(range(10))
-        rec = await directory.record_hold.remote("r1", history, make_hold(10, "e1"), far_future())
+        held = make_hold(10, "e1")
+        assert (await directory.record_hold.remote("r1", history, held, far_future())).kept
         result = await directory.lookup.remote(history.extend([1, 2, 3]))
         assert isinstance(result, LookupResult)
         best = result.best()
@@ -50,8 +51,9 @@ def test_record_lookup_consume_through_ray(directory: Any) -> None:
         # Raw token ids work too (the actor hashes them).
         raw = await directory.lookup.remote(list(range(10)), SCOPE)
         assert raw.best() == best
-        assert await directory.consume_hold.remote(rec.hold_id) == make_hold(10, "e1")
-        assert await directory.consume_hold.remote(rec.hold_id) is None
+        assert best.hold.hold_id == held.hold_id  # the id its replica minted
+        assert await directory.consume_hold.remote(held.hold_id) == held
+        assert await directory.consume_hold.remote(held.hold_id) is None
         stats = await directory.stats.remote()
         assert isinstance(stats, DirectoryStats) and stats.holds == 0 and stats.lookups == 2
         await directory.check_integrity.remote()
@@ -126,16 +128,16 @@ def test_a_replica_that_left_gets_no_new_hold_until_it_reports_again(directory: 
 
     async def scenario() -> None:
         await directory.heartbeat.remote(identity("r1"), stats("r1"))
-        assert (await directory.record_hold.remote("r1", key(range(16)), make_hold(16, "e1"), far_future())).hold_id
+        assert (await directory.record_hold.remote("r1", key(range(16)), make_hold(16, "e1"), far_future())).kept
         await directory.deregister.remote("r1")
         late = await directory.record_hold.remote("r1", key(range(32)), make_hold(32, "e1"), far_future())
-        assert late.hold_id is None
+        assert not late.kept
         figures = await directory.stats.remote()
         assert figures.holds == 0 and figures.holds_by_replica == {}
         assert (figures.replicas_left, figures.replicas_silent) == (1, 0)
         await directory.heartbeat.remote(identity("r1"), stats("r1"))
         again = await directory.record_hold.remote("r1", key(range(32)), make_hold(32, "e1"), far_future())
-        assert again.hold_id is not None
+        assert again.kept
         assert (await directory.stats.remote()).holds_by_replica == {"r1": 1}
 
     asyncio.run(scenario())

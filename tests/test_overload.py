@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.conftest import TINY_ENGINE, run_app
+from tests.conftest import TINY_ENGINE, delete_app, run_app
 
 
 def generated_tokens(base_url: str) -> float:
@@ -21,8 +21,6 @@ def generated_tokens(base_url: str) -> float:
 
 
 def test_a_full_ingress_answers_429_and_a_client_that_leaves_frees_its_turn(serve_port):
-    from ray import serve
-
     app = run_app("small", "/small", serve_port, ingress_max_turns=1,
                   pool={"num_replicas": 1, "engine": dict(TINY_ENGINE, model="tiny-llama")})
     try:
@@ -50,13 +48,12 @@ def test_a_full_ingress_answers_429_and_a_client_that_leaves_frees_its_turn(serv
         assert generated_tokens(app.base_url) == settled < before + 1900 - 100, (before, settled)
         assert httpx.post(url, json=short, timeout=60).status_code == 200
     finally:
-        serve.delete("small")
+        delete_app("small")
 
 
 def test_a_full_engine_queue_answers_429_at_once(serve_port):
     """Each replica runs `max_ongoing_requests` and the ingress queues `max_queued_requests` more for the pool; one
     request beyond both is refused at once rather than queued without bound."""
-    from ray import serve
 
     app = run_app("queue", "/queue", serve_port,
                   pool={"num_replicas": 1, "max_ongoing_requests": 1, "max_queued_requests": 1,
@@ -84,4 +81,4 @@ def test_a_full_engine_queue_answers_429_at_once(serve_port):
         assert seconds < min(s for r, s in answers if r.status_code == 200)  # at once, not after a turn
         assert response.headers["retry-after"] == "1" and response.json()["error"]["code"] == "rate_limit_exceeded"
     finally:
-        serve.delete("queue")
+        delete_app("queue")

@@ -10,7 +10,7 @@ from kvtransfer.load import ReplicaView, preferred_replica
 from kvtransfer.options import STAY_MARGIN_MS, Mode
 from kvtransfer.planner import _options, plan_turn
 from kvtransfer.policies.kvrelay import STAY_MARGIN
-from kvtransfer.types import Hold, HoldOffer, LookupResult, ReplicaMatch
+from kvtransfer.types import Hold, HoldId, HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
@@ -38,8 +38,8 @@ def calibrated(prefill_ms_per_token: float = 0.3, pull_fixed_ms: float = 8.0, gb
     return cost
 
 
-def hold(replica: str, tokens: int, hold_id: int = 1) -> HoldOffer:
-    return HoldOffer(hold_id, replica, tokens, 1e12, make_hold(tokens, f"e-{replica}"))
+def hold(replica: str, tokens: int) -> HoldOffer:
+    return HoldOffer(replica, tokens, 1e12, make_hold(tokens, f"e-{replica}"))
 
 
 def lookup(n: int, *matches: ReplicaMatch) -> LookupResult:
@@ -183,14 +183,14 @@ def test_hold_params_are_rewritten_for_a_pull_and_for_a_release():
     exported = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
                 "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 5600,
                 "remote_num_tokens": 40, "remote_request_id": "x", "remote_blocks_expiry_time": None, "tp_size": 1}
-    hold = Hold.from_params(exported)
-    assert hold is not None and (hold.engine_id, hold.num_tokens) == ("e", 40)
+    hold = Hold.from_params(exported, HoldId("e", 3))
+    assert hold is not None and (hold.engine_id, hold.num_tokens, hold.hold_id) == ("e", 40, HoldId("e", 3))
     pull = hold.pull_params()
     assert (pull["do_remote_prefill"], pull["do_remote_decode"]) == (False, True)
     assert {k: v for k, v in pull.items() if not k.startswith("do_")} == {
         k: v for k, v in exported.items() if not k.startswith("do_")}
     assert hold.release_params()["do_remote_prefill"] is True
-    assert Hold.from_params({"do_remote_decode": True}) is None
+    assert Hold.from_params({"do_remote_decode": True}, HoldId("e", 4)) is None
 
 
 def test_a_pull_onto_a_replica_that_caches_most_of_the_history_must_beat_its_cache_by_the_margin():

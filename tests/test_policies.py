@@ -16,7 +16,7 @@ from kvtransfer.policies.base import without_pull
 from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
 from tests.conftest import make_hold
 
-HOLD = HoldOffer(1, "a", 960, 1e12, make_hold(960, "e-a"))
+HOLD = HoldOffer("a", 960, 1e12, make_hold(960, "e-a"))
 # Replica a holds the conversation's 960-token history (its prefix cache and a hold); c caches the 64-token system
 # prompt; b holds nothing and has a request waiting.
 REPLICAS = (ReplicaView("a"), ReplicaView("b", waiting=1), ReplicaView("c"))

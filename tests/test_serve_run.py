@@ -19,7 +19,8 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.served import healthy, start_served, stop_served, wait_for
+from benchmarks.served import healthy, ready, start_served, stop_served, wait_for
+from configs.engine import NixlSettings
 
 
 def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replicas: int, timeout_s: float) -> None:
@@ -32,7 +33,7 @@ def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replica
                 return
         except (httpx.HTTPError, ValueError):
             pass
-        time.sleep(2)
+        time.sleep(0.5)
     pytest.fail(f"serve run did not become healthy in {timeout_s:.0f} s:\n" + log.read_text()[-3000:])
 
 
@@ -158,15 +159,35 @@ def test_serve_run_listens_on_loopback_only(served):
         assert listening_addresses(port) == {"127.0.0.1"}
 
 
+def wait_until_quiet(served, quiet_s: float, timeout_s: float) -> None:
+    """Until `make serve` has printed "ready" at least `quiet_s` ago and serve run's console has printed nothing for
+    `quiet_s`; fails with what it printed last after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    size, changed = served.log.stat().st_size, time.monotonic()
+    while True:
+        assert ready(served), served.stages.read_text()
+        now, grown = time.monotonic(), served.log.stat().st_size
+        if grown != size:
+            size, changed = grown, now
+        if now - changed >= quiet_s and time.time() - served.stages.stat().st_mtime >= quiet_s:
+            return
+        assert now < deadline, f"serve run's console never went quiet for {quiet_s:.0f} s:\n" + "\n".join(
+            served.log.read_text(errors="replace").splitlines()[-20:])
+        time.sleep(0.5)
+
+
 def test_the_console_prints_a_line_per_client_request_and_nothing_while_idle(served):
     """Heartbeats and the directory's feed run all the time; they used to print ~2.4 access-log lines a second,
     and every turn's hold expiring unread printed a warning of vLLM's."""
-    time.sleep(30)  # start-up's own lines (engines, the calibration's first pulls) reach the console late
+    # Start-up's own lines (engines, the calibration's first pulls) reach the console late: start once the last
+    # one is a hold's lease and more behind, and the calibration ("ready") as long ago.
+    lease_s = NixlSettings().hold_ttl_s  # serve_config.yaml's engines keep the default
+    wait_until_quiet(served, quiet_s=lease_s + 5, timeout_s=120)
     log = served.log
     before = log.read_bytes()
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert httpx.post(f"{served.base}/v1/chat/completions", json=body, timeout=120).status_code == 200
-    time.sleep(20)  # past the hold's lease (10 s)
+    time.sleep(2 * lease_s)  # well past the turn's hold's lease
     printed = log.read_bytes()[len(before):].decode(errors="replace").splitlines()
     assert len(printed) <= 1, "\n".join(printed)
 

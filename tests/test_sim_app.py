@@ -8,12 +8,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from configs.engine import EngineConfig
-from tests.conftest import ServedApp, run_app
+from tests.conftest import ServedApp, delete_app, run_app
 
 REPLICAS = 8
 # The H100 profile at a quarter of its modelled time: a 16-token reply takes ~25 ms, a pull ~40-110 ms.
@@ -29,7 +30,6 @@ def user_tokens(rng: random.Random, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def sim_app(serve_port: int) -> Iterator[ServedApp]:
     """Eight simulated replicas (a tenth of a Ray CPU each: they compute no model) behind one ingress."""
-    from ray import serve
 
     app = run_app("sim", "/sim", serve_port, pool={"num_replicas": REPLICAS, "num_cpus": 0.1, "engine": SIM_ENGINE})
     try:
@@ -37,7 +37,7 @@ def sim_app(serve_port: int) -> Iterator[ServedApp]:
         app.ingress.calibrated.remote().result(timeout_s=120)
         yield app
     finally:
-        serve.delete("sim")
+        delete_app("sim")
 
 
 def test_a_sim_engine_needs_a_known_profile_and_only_sim_engines_take_one() -> None:
@@ -100,3 +100,11 @@ def test_the_directory_follows_the_simulated_replicas_kv_events(sim_app: ServedA
     assert plan["reused_tokens"] == 288
     directory = sim_app.ingress.stats.remote().result(timeout_s=30)["directory"]
     assert directory["resident_blocks"] >= 9, directory
+
+
+def test_a_simulated_replicas_process_has_neither_vllm_nor_torch_after_serving(sim_app: ServedApp) -> None:
+    # After turns (the conversation above): unpickling a request with vLLM's SamplingParams would have loaded both.
+    sim_app.ingress.turn.remote(user_tokens(random.Random("one more"), 64), REPLY).result(timeout_s=60)
+    for replica in sim_app.ingress.stats.remote().result(timeout_s=30)["replicas"]:
+        maps = Path(f"/proc/{replica['pid']}/maps").read_text()
+        assert "libtorch" not in maps and "/vllm/" not in maps, replica["replica_id"]

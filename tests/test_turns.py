@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -113,9 +114,17 @@ def first_turn(loop_thread, holder: EngineReplica, rng: random.Random, prompt_to
     return turn[-1].hold, reply, prompt + reply + user_tokens(rng, 20)
 
 
-def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
+@pytest.fixture(scope="module")
+def puller() -> Iterator[EngineReplica]:
+    """The replica that reads the holds of the next tests' holders (each test starts its own holder)."""
+    replica = direct_replica("tiny-llama", 1)
+    yield replica
+    replica.engine.shutdown()
+
+
+def test_a_pulled_kv_really_comes_from_the_holder(loop_thread, puller):
     """A holder with other weights (handshake checks off) changes the puller's output: the KV moved."""
-    holder, puller = direct_replica("tiny-llama-alt", 0), direct_replica("tiny-llama", 1)
+    holder = direct_replica("tiny-llama-alt", 0)
     try:
         rng = random.Random(5)
         hold, reply, follow_up = first_turn(loop_thread, holder, rng, 200)
@@ -127,17 +136,16 @@ def test_a_pulled_kv_really_comes_from_the_holder(loop_thread):
         assert [t for d in pulled for t in d.token_ids] != [t for d in own for t in d.token_ids]
     finally:
         holder.engine.shutdown()
-        puller.engine.shutdown()
 
 
-def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_thread):
-    """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, a seal
-    from another app, or tokens that differ from the prompt's is refused before any read (a failed pull, which the
-    turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its tokens, is read
-    (by another replica, once; by the holder itself, in memory)."""
+def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_thread, puller):
+    """vLLM's connector reads whatever blocks a hold names. A hold with other block ids, another engine's id, another
+    hold's id, a seal from another app, or tokens that differ from the prompt's is refused before any read (a failed
+    pull, which the turn runner recomputes); only the hold as its holder sealed it, into a prompt starting with its
+    tokens, is read (by another replica, once; by the holder itself, in memory)."""
     from actors.replica_api import HoldRelease, InvalidRequestError
 
-    holder, puller = direct_replica("tiny-llama", 0), direct_replica("tiny-llama", 1)
+    holder = direct_replica("tiny-llama", 0)
     try:
         rng = random.Random(9)
         hold, _, follow_up = first_turn(loop_thread, holder, rng, 200)
@@ -146,6 +154,7 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         forged = {
             "other blocks": replace(hold, block_ids=[[b + 1 for b in group] for group in hold.block_ids]),
             "another engine": replace(hold, engine_id=puller.engine_id),
+            "another hold's id": replace(hold, hold_id=hold.hold_id._replace(serial=hold.hold_id.serial + 1)),
             "unsealed": replace(hold, seal=None),
             "another app's key": hold.sealed(b"another-app", follow_up),
         }
@@ -164,6 +173,9 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         # faster and a lone conversation moved on every turn). The answer is the one computed from scratch.
         own, _, follow_own = first_turn(loop_thread, holder, rng, 203)
         assert own.num_tokens % holder.config.block_size, "the check needs a partial last block"
+        # Each hold is named by the id its replica minted at export: the holder's engine and a serial.
+        assert own.hold_id.engine_id == hold.hold_id.engine_id == holder.engine_id
+        assert own.hold_id.serial > hold.hold_id.serial
         stays = generate(loop_thread, holder, follow_own, pull=own)
         assert stays[-1].finish_reason != "error" and stays[-1].num_cached_tokens == own.num_tokens
         scratch = generate(loop_thread, puller, follow_own, own_kv_only=True)
@@ -182,7 +194,6 @@ def test_a_replica_reads_only_holds_sealed_for_exactly_its_prompts_tokens(loop_t
         assert gone[-1].finish_reason == "error" and not gone[-1].token_ids
     finally:
         holder.engine.shutdown()
-        puller.engine.shutdown()
 
 
 def test_dead_holder_means_recompute_and_its_entries_are_dropped(tiny_app):

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_ENGINE, run_app
+from tests.conftest import TINY_ENGINE, delete_app, run_app
 from tests.test_turns import converse
 
 
 @pytest.fixture(scope="module")
 def gemma_app(serve_port):
-    from ray import serve
-
     engine = dict(TINY_ENGINE, model="tiny-gemma3n", kv_sharing_fast_prefill=True)
-    app = run_app("gemma", "/gemma", serve_port, pool={"num_replicas": 2, "engine": engine})
+    # Every turn here is forced onto its replica and mode: no placement to calibrate. (With it, its turns would keep
+    # the replicas busy, and a forced local turn on a busy replica rightly uses its prefix cache alone rather than
+    # wait a step to read its own hold.)
+    app = run_app("gemma", "/gemma", serve_port, calibrate=False, pool={"num_replicas": 2, "engine": engine})
     app.replica_ids(2)
-    # The start-up calibration's turns keep the replicas busy meanwhile, and a forced local turn on a busy replica
-    # rightly uses its prefix cache alone rather than wait a step to read its own hold: start once they are done.
     app.ingress.calibrated.remote().result()
+    counters = app.ingress.stats.remote().result()["counters"]
+    assert not any(name.startswith("plans_") for name in counters), f"calibrate: false ran turns: {counters}"
     yield app
-    serve.delete("gemma")
+    delete_app("gemma")
 
 
 def test_pulls_give_the_same_tokens_as_recompute_on_gemma3n_with_fast_prefill(gemma_app):

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import TINY_ENGINE, run_app
+from tests.conftest import TINY_ENGINE, delete_app, run_app
 
 
 def write_config(folder: Path, **overrides) -> Path:
@@ -88,8 +88,6 @@ def serve_llm_config(model_source: str) -> dict:
 
 
 def test_a_users_model_directory_configured_as_in_ray_serve_llm_serves_under_its_own_name(serve_port, tmp_path):
-    from ray import serve
-
     from model_prep.store import ensure_model
 
     mine = tmp_path / "my-model"
@@ -111,7 +109,7 @@ def test_a_users_model_directory_configured_as_in_ray_serve_llm_serves_under_its
         assert wrong.status_code == 404
         tool_call_round_trip(openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="none", max_retries=0))
     finally:
-        serve.delete("mine")
+        delete_app("mine")
 
 
 def tool_call_round_trip(client) -> None:

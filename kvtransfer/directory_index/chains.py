@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtransfer.directory_index.records import NODE_BYTES, REF_BITS, REF_MASK, HoldRecord, Node, ReplicaRecord, Segment
 from kvtransfer.prefix_key import HASH_BYTES, BlockHash, PrefixKey, Scope
+from kvtransfer.types import HoldId
 
 H = HASH_BYTES  # a key's block hashes are packed: block d (1-based depth) is hashes[(d - 1) * H : d * H]
 
@@ -51,14 +52,14 @@ class ChainIndex:
         self.epoch = uuid.uuid4().hex
         self._clock = clock
         self._nodes: dict[BlockHash, Node] = {}
-        self._holds: dict[int, HoldRecord] = {}
+        self._holds: dict[HoldId, HoldRecord] = {}  # by the id the holder's replica minted
         # The block each pending hold's prompt ends at (`HoldRecord.prompt_end`), with how many holds end there.
         self._prompt_ends: dict[BlockHash, int] = {}
-        self._lru: OrderedDict[int, HoldRecord | Segment] = OrderedDict()
-        self._expiry: list[tuple[float, int]] = []
+        self._lru: OrderedDict[HoldId | int, HoldRecord | Segment] = OrderedDict()  # segments by their chain id
+        self._expiry: list[tuple[float, HoldId]] = []
         self._replicas: dict[str, ReplicaRecord] = {}
         self._by_index: dict[int, ReplicaRecord] = {}
-        self._next_chain_id = 1
+        self._next_chain_id = 1  # the next cache segment's
         self._bytes = 0
         self._resident_blocks = 0
         self._lookups = 0

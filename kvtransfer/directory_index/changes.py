@@ -9,9 +9,11 @@ in parts with `snapshot_part`).
 Updates are plain tuples whose first field names them:
     ("beat", identity, stats)        a replica's heartbeat
     ("leave", replica_id)            a replica left, was swept or failed a pull: forget all it holds
-    ("hold", replica_id, key, hold, expires_at, hold_id, prompt_tokens)   a recorded hold (the actor's id)
-    ("consume", hold_id)             a hold was pulled or released (the actor's id)
+    ("hold", replica_id, key, hold, expires_at, prompt_tokens)   a recorded hold (named by `hold.hold_id`)
+    ("consume", hold_id)             a hold was pulled or released
     ("resident", replica_id, ops)    prefix-cache events applied for a replica
+
+A hold keeps the id its replica minted (`kvtransfer.types.HoldId`) in the actor, in the feed and in every mirror.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from kvtransfer.directory_index.records import (
 )
 from kvtransfer.directory_index.results import RecordResult
 from kvtransfer.prefix_key import TOKEN_BYTES, BlockHash, PrefixKey, Scope
-from kvtransfer.types import Hold, HoldOffer
+from kvtransfer.types import Hold, HoldId, HoldOffer
 
 
 class HoldIndex(ChainIndex):
@@ -41,7 +41,8 @@ class HoldIndex(ChainIndex):
         scope: Scope | tuple[str, str] | None = None,
         prompt_tokens: int = 0,
     ) -> RecordResult:
-        """Record that `replica_id` exported `hold`, the KV of the first `hold.num_tokens` tokens of `key`.
+        """Record that `replica_id` exported `hold`, the KV of the first `hold.num_tokens` tokens of `key`, under the
+        id its replica minted (`hold.hold_id`); a hold recorded already stays as it is.
 
         `expires_at` is in this directory's clock (wall time by default). Holds without a full block are not
         kept: a pull would never beat recomputing them. `prompt_tokens`: how many of `key`'s tokens were the
@@ -53,12 +54,13 @@ class HoldIndex(ChainIndex):
         num_tokens = hold.num_tokens
         if not 0 <= num_tokens <= key.num_tokens:
             raise ValueError(f"num_tokens={num_tokens} is outside the key's {key.num_tokens} tokens")
+        hold_id = hold.hold_id
+        if hold_id in self._holds:
+            return RecordResult(True, 0, 0)
         full = num_tokens // self.block_size
         if full == 0 or not self._offerable(expires_at, now):
-            return RecordResult(None, 0, 0)
+            return RecordResult(False, 0, 0)
         rep = self._replica(replica_id)
-        hold_id = self._next_chain_id
-        self._next_chain_id += 1
         tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
         end = key.block_hash(full - 1)
         prompt_end = key.prompt_end(min(prompt_tokens, full * self.block_size + 1))  # within the hold's full blocks
@@ -78,7 +80,7 @@ class HoldIndex(ChainIndex):
         heapq.heappush(self._expiry, (expires_at, hold_id))
         self._bytes += nbytes
         evicted = self._enforce_bounds()
-        return RecordResult(hold_id if hold_id in self._holds else None, created, evicted)
+        return RecordResult(hold_id in self._holds, created, evicted)
 
     def _acquire_hold(self, hashes: bytes, depth: int, index: int) -> int:
         """One direct hold reference of replica `index` on the node at `depth`; returns nodes created."""
@@ -101,7 +103,7 @@ class HoldIndex(ChainIndex):
             key, i = parent, i - 1
         return created
 
-    def consume_hold(self, hold_id: int) -> Hold | None:
+    def consume_hold(self, hold_id: HoldId) -> Hold | None:
         """The hold, once: it is gone from the directory afterwards. None if expired or unknown."""
         self._purge_expired()
         record = self._holds.get(hold_id)
@@ -201,7 +203,7 @@ class HoldIndex(ChainIndex):
                 if best is not None:
                     best.used = True
                     self._hold_offers += 1
-                    offer = (best.hold_id, rep.replica_id, best.num_tokens, best.expires_at, best.hold)
+                    offer = (rep.replica_id, best.num_tokens, best.expires_at, best.hold)
                     return new_tuple(HoldOffer, offer)
             k -= 1
             if k:

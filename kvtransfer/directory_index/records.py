@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvtransfer.prefix_key import HASH_BYTES, BlockHash
-from kvtransfer.types import Hold
+from kvtransfer.types import Hold, HoldId
 
 # NamedTuple construction through its generated __new__ costs a Python call; lookups build three per hit.
 new_tuple = tuple.__new__
@@ -41,16 +41,16 @@ class Node:
 
 
 class HoldRecord:
-    """One recorded hold: its replica, the node its full blocks end at, its partial last block's tokens, and the
-    node its history's prompt ends at (`prompt_end`: the last full block before the prompt's last token; None if
-    unknown or the prompt has none)."""
+    """One recorded hold, by the id its replica minted: its replica, the node its full blocks end at, its partial last
+    block's tokens, and the node its history's prompt ends at (`prompt_end`: the last full block before the prompt's
+    last token; None if unknown or the prompt has none)."""
 
     __slots__ = ("hold_id", "replica", "end", "num_tokens", "tail", "hold", "expires_at", "nbytes", "used",
                  "prompt_end")
 
     def __init__(
         self,
-        hold_id: int,
+        hold_id: HoldId,
         replica: int,
         end: BlockHash,
         num_tokens: int,
@@ -93,7 +93,7 @@ class ReplicaRecord:
     def __init__(self, replica_id: str, index: int) -> None:
         self.replica_id = replica_id
         self.index = index
-        self.holds: set[int] = set()
+        self.holds: set[HoldId] = set()
         self.resident: dict[BlockHash, Segment] = {}
         # Nodes this replica holds only because resident children do (vLLM dropped the block itself):
         # a prefix-cache match stops there. Rare: vLLM evicts a chain's tail before its head.
@@ -129,7 +129,7 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
 # in the entries table plus index space, at the table's load between one third and two thirds.
 _DICT_SLOT_BYTES = 56
 NODE_BYTES = alloc(Node(None)) + alloc(b"\0" * HASH_BYTES) + _DICT_SLOT_BYTES
-HOLD_BYTES = alloc(HoldRecord(0, 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
+HOLD_BYTES = alloc(HoldRecord(HoldId("", 0), 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
 PROMPT_END_BYTES = _DICT_SLOT_BYTES  # a hold's entry in the directory's prompt ends
 SEGMENT_BYTES = alloc(Segment(0, 0, None)) + alloc([]) + 2 * _DICT_SLOT_BYTES
 RESIDENT_BYTES = _DICT_SLOT_BYTES + 8

@@ -8,9 +8,9 @@ from kvtransfer.prefix_key import BlockHash
 
 
 class RecordResult(NamedTuple):
-    """`hold_id` is None when the hold was not kept: no full block, already expired, or evicted at once."""
+    """`kept` is False when the hold was not kept: no full block, already expired, or evicted at once."""
 
-    hold_id: int | None
+    kept: bool
     new_entries: int
     evicted_chains: int
 
