@@ -1,16 +1,10 @@
 """The planner's cost model: milliseconds to recompute n tokens on a replica, or to pull their KV.
 
-Both are linear models fitted online by least squares over the most recent observations:
+All are linear models fitted online by least squares over the most recent observations:
 
     recompute_ms(k new tokens after c cached ones) = a + b*k + d*k*(c + k/2)      (attention grows with context)
     pull_ms(bytes, holder busy or not)             = fixed + bytes / bandwidth + busy * (h0 + h1*bytes)
     slowdown(p busy peers on the same node)        = 1 + s*p                          (shared CPUs, memory bandwidth)
-
-The holder's part of a pull: the link fit (fixed + bytes / bandwidth) learns from pulls whose holder was idle when
-planned, and the holder-load fit (h0 + h1*bytes, `holder_load`) from pulls whose holder was busy, as what they took
-beyond the link fit. Where the holder serves the read with its own CPU (NIXL over TCP or shared memory on CPU
-replicas) a busy holder answers later; with RDMA the holder's NIC serves it and the term learns to about 0. Its prior
-is 0: until a pull from a busy holder is observed, a pull is priced as the link fit alone.
 
 The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
 on the busy engines beside it by s for as long as the turn keeps it busy (`contention_impact_ms`; how long comes
@@ -23,6 +17,12 @@ had their engine to themselves while other engines on the node were busy (observ
 p = the busy engines, each counted for the share of the prefill it was busy),
 per node (nodes differ: cores, memory bandwidth, how many engines share them), the fleet's fit standing in for
 a node until it has MIN_NODE_SAMPLES of its own.
+
+The holder's part of a pull: the link fit (fixed + bytes / bandwidth) learns from pulls whose holder was idle when
+planned, and the holder-load fit (h0 + h1*bytes, `holder_load`) from pulls whose holder was busy, as what they took
+beyond the link fit. Where the holder serves the read with its own CPU (NIXL over TCP or shared memory on CPU
+replicas) a busy holder answers later; with RDMA the holder's NIC serves it and the term learns to about 0. Its prior
+is 0: until a pull from a busy holder is observed, a pull is priced as the link fit alone.
 
 On top of the fits, the planner's own error: measured minus estimated time to first token per kind of option
 (mode, and whether other engines on the node were busy), from the turns it ran; each kind's estimates get the
