@@ -2,8 +2,7 @@
 
 The same forced turns in the same order: NIXL's first pull each way between two replicas (the handshake, then
 forgotten as a transfer sample), a recompute, a pull and a local follow-up per length, then prefills alone and
-beside a replica decoding CONTENTION_STREAMS long turns, and pulls of histories that replica holds while it decodes.
-They seed the cost model's fits and its estimate error.
+beside a replica decoding CONTENTION_STREAMS long turns. They seed the cost model's fits and its estimate error.
 """
 
 from __future__ import annotations
@@ -57,16 +56,11 @@ def calibrate(fleet: Fleet) -> None:
     lengths = list(CONTENTION_LENGTHS) * 2
     for n in lengths:
         forced(conversation(n), Mode.RECOMPUTE, ids[0])
-    held = [conversation(n) for n in CONTENTION_LENGTHS]  # histories ids[1] computes before its load begins
-    for live in held:
-        forced(live, Mode.RECOMPUTE, ids[1])
     streams: list[bool] = []
     for _ in range(CONTENTION_STREAMS):
         fleet.start_turn(conversation(64, output=256), (Mode.RECOMPUTE, ids[1]), "kvrelay",
                          on_done=lambda: streams.append(True))
     fleet.run_until_idle(fleet.now + CONTENTION_START_S)
-    for live in held:  # pulls from a busy holder
-        forced(live, Mode.PULL, ids[0])
     for n in lengths:
         forced(conversation(n), Mode.RECOMPUTE, ids[0])
     fleet.run_until_idle(done=lambda: len(streams) == CONTENTION_STREAMS)

@@ -99,9 +99,7 @@ async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Ra
     """Time prefills on `measured` alone, then while `busy` decodes CONTENTION_STREAMS long turns: if the two
     engines share a node, the turn path sees a busy peer and the second set teaches the cost model its slowdown per
     busy peer (else both are solo samples). Each length twice each way; 256 decode steps keep `busy` working longer
-    than the measured prefills take. Meanwhile `measured` also pulls, once per length, a history `busy` computed
-    before its load began: pulls from a busy holder, which teach the cost model's holder-load fit (on CPU replicas
-    a busy holder serves the read late; with RDMA the fit learns about 0).
+    than the measured prefills take.
 
     The slowdown is learned against the replica's solo speed, which the first set measures at the very lengths the
     second set uses (six prefills of at least `CostModel.MIN_SPEED_TOKENS`: the replica's speed factor). Without
@@ -118,22 +116,12 @@ async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Ra
                            tenant=CALIBRATION_TENANT)
 
     await prefills()
-    held = []  # follow-ups whose history `busy` holds
-    for n in lengths:
-        history = [rng.randrange(100, vocab) for _ in range(n)]
-        first = await run_turn(history, ONE_TOKEN, ("recompute", busy), tenant=CALIBRATION_TENANT)
-        held.append(history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)])
     background = [asyncio.ensure_future(run_turn(
         [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
         ("recompute", busy), tenant=CALIBRATION_TENANT)) for _ in range(CONTENTION_STREAMS)]
     try:
         # The background turns are in flight (the runner counts them) and past their short prefills, decoding.
         await asyncio.sleep(CONTENTION_START_S)
-        for follow_up in held:
-            try:
-                await run_turn(follow_up, ONE_TOKEN, ("pull", measured), tenant=CALIBRATION_TENANT)
-            except Exception as exc:  # no hold offered (its export refused, say): the slowdown is still measured
-                logger.warning("calibration: a pull from a busy holder did not run (%s); its fit keeps its prior", exc)
         await prefills()
     finally:
         await asyncio.gather(*background)
