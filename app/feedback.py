@@ -47,7 +47,7 @@ class Feedback:
         if pulled and last.wait_s is not None:
             # vLLM schedules a pulling request once its KV has arrived: the wait before scheduling is the
             # transfer (plus any queueing, which an idle calibration avoids).
-            self.cost.observe_pull(reused - plan.cached_tokens, last.wait_s * 1e3)
+            self.cost.observe_pull(reused - plan.cached_tokens, last.wait_s * 1e3, plan.holder_busy)
 
     async def learn_turn(self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome,
                          force: tuple[Mode, str] | None) -> None:

@@ -245,7 +245,7 @@ class Fleet:
             self.cost.observe_prefill(r.prompt_len - r.reused_tokens, r.reused_tokens,
                                       (self.now - r.prefill_started_at) * 1e3, busy, engine.replica_id)
             if t.kv_wait_ms is not None and plan.mode is Mode.PULL:
-                self.cost.observe_pull(r.reused_tokens - plan.cached_tokens, t.kv_wait_ms)
+                self.cost.observe_pull(r.reused_tokens - plan.cached_tokens, t.kv_wait_ms, plan.holder_busy)
         for offer in plan.superseded:  # the turn has read what it reuses: older holds of its history only pin blocks
             hold = self.directory.consume_hold(offer.hold_id)
             engine_hold = self._holds.pop(hold.hold_id, None) if hold is not None else None

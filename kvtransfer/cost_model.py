@@ -1,9 +1,9 @@
 """The planner's cost model: milliseconds to recompute n tokens on a replica, or to pull their KV.
 
-Both are linear models fitted online by least squares over the most recent observations:
+All are linear models fitted online by least squares over the most recent observations:
 
     recompute_ms(k new tokens after c cached ones) = a + b*k + d*k*(c + k/2)      (attention grows with context)
-    pull_ms(bytes)                                 = fixed + bytes / bandwidth
+    pull_ms(bytes, holder busy or not)             = fixed + bytes / bandwidth + busy * (h0 + h1*bytes)
     slowdown(p busy peers on the same node)        = 1 + s*p                          (shared CPUs, memory bandwidth)
 
 The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
@@ -17,6 +17,12 @@ had their engine to themselves while other engines on the node were busy (observ
 p = the busy engines, each counted for the share of the prefill it was busy),
 per node (nodes differ: cores, memory bandwidth, how many engines share them), the fleet's fit standing in for
 a node until it has MIN_NODE_SAMPLES of its own.
+
+The holder's part of a pull: the link fit (fixed + bytes / bandwidth) learns from pulls whose holder was idle when
+planned, and the holder-load fit (h0 + h1*bytes, `holder_load`) from pulls whose holder was busy, as what they took
+beyond the link fit. Where the holder serves the read with its own CPU (NIXL over TCP or shared memory on CPU
+replicas) a busy holder answers later; with RDMA the holder's NIC serves it and the term learns to about 0. Its prior
+is 0: until a pull from a busy holder is observed, a pull is priced as the link fit alone.
 
 On top of the fits, the planner's own error: measured minus estimated time to first token per kind of option
 (mode, and whether other engines on the node were busy), from the turns it ran; each kind's estimates get the
@@ -69,6 +75,7 @@ class CostModel:
         self.shared_compute = shared_compute
         self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
+        self.holder_load = OnlineLinearFit(("busy_holder_ms", "busy_holder_ms_per_byte"), (0.0, 0.0), window)
         self._window = window
         self.contention = self._contention_fit()
         # Each node's own slowdown fit, and each replica's node (`set_nodes`).
@@ -134,9 +141,14 @@ class CostModel:
             return 1.0
         return 1.0 + max(0.0, self._contention(replica_id).predict((float(busy_peers),)))
 
-    def pull_ms(self, num_tokens: int) -> float:
-        """Transfer the KV of `num_tokens` tokens from a holder (fixed handover part + bytes / bandwidth)."""
-        return max(0.0, self.pull.predict((1.0, float(self.kv_bytes(num_tokens)))))
+    def pull_ms(self, num_tokens: int, holder: ReplicaView | None = None) -> float:
+        """Transfer the KV of `num_tokens` tokens from `holder` (its view when planned; None: an idle one): the link's
+        fixed handover part + bytes / bandwidth, and from a busy holder what reads from busy holders took beyond it."""
+        features = (1.0, float(self.kv_bytes(num_tokens)))
+        link = max(0.0, self.pull.predict(features))
+        if holder is None or holder.idle:
+            return link
+        return link + max(0.0, self.holder_load.predict(features))
 
     def step_ms(self, load: ReplicaView) -> float:
         """One decode step on a replica: its measured token rate per request, else the default."""
@@ -220,10 +232,18 @@ class CostModel:
             weight = 0.2 if self._decode_samples > 1 else 1.0  # the first measurement replaces the prior
             self.decode_step_ms = (1 - weight) * self.decode_step_ms + weight * step_ms
 
-    def observe_pull(self, num_tokens: int, ms: float) -> None:
-        """`ms`: the transfer's share of a pulled turn's prefill time (measured minus the delta's compute)."""
-        if num_tokens > 0 and ms > 0:
-            self.pull.observe((1.0, float(self.kv_bytes(num_tokens))), ms)
+    def observe_pull(self, num_tokens: int, ms: float, holder_busy: bool = False) -> None:
+        """`ms`: how long a pulling request waited for the KV of `num_tokens` tokens (mutates). From a holder idle
+        when the pull was planned it teaches the link fit; from a busy one, the holder-load fit, with what it took
+        beyond the link fit's estimate (a term that comes out negative is dropped: holders that serve reads as fast busy
+        as idle learn 0)."""
+        if num_tokens <= 0 or ms <= 0:
+            return
+        features = (1.0, float(self.kv_bytes(num_tokens)))
+        if holder_busy:
+            self.holder_load.observe(features, ms - max(0.0, self.pull.predict(features)))
+        else:
+            self.pull.observe(features, ms)
 
     def learn_handshake(self) -> None:
         """The pulls observed so far were each the first between their two engines (mutates): their mean transfer
@@ -242,6 +262,7 @@ class CostModel:
             "contention": self.contention.as_dict(),
             "contention_by_node": {node: fit.as_dict() for node, fit in sorted(self._node_contention.items())},
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
+            "holder_load": self.holder_load.as_dict(),
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.workload.typical_output_tokens,
             "handshake_ms": self.handshake_ms,

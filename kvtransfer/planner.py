@@ -61,6 +61,8 @@ class Plan(NamedTuple):
     impact_ms: float = 0.0
     # The turn's place in its conversation as planned (0: its first; None: not known).
     turn_index: int | None = 0
+    # PULL: whether the holder was busy when planned (which of the cost model's pull fits the transfer teaches).
+    holder_busy: bool = False
 
 
 def _options(
@@ -73,7 +75,7 @@ def _options(
     met: Collection[tuple[str, str]] | None = None,
     turn_index: int | None = None,
 ) -> list[Option]:
-    live = {r.replica_id for r in replicas}
+    live = {r.replica_id: r for r in replicas}
     future = cost.workload.expected_future_turns(turn_index)
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
     holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
@@ -103,7 +105,7 @@ def _options(
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
                 continue
-            transfer = cost.pull_ms(reused - cached)
+            transfer = cost.pull_ms(reused - cached, live.get(hold.replica_id))
             if met is not None and (replica.replica_id, hold.replica_id) not in met:
                 transfer += cost.handshake_ms  # the target's first pull from this holder
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
@@ -239,6 +241,7 @@ def plan_turn(
         model_ms=round(chosen.model_ms, 2),
         impact_ms=round(chosen.impact_ms, 2),
         turn_index=turn_index,
+        holder_busy=any(r.replica_id == chosen.holder and not r.idle for r in replicas),
     )
 
 

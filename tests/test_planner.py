@@ -770,3 +770,44 @@ def test_a_first_turn_is_not_held_to_the_replica_caching_a_shared_system_prompt(
     first = plan_turn(2100, found, views, cost, turn_index=0)
     assert first.estimate_ms < later.estimate_ms
     assert (later.replica_id, first.replica_id) == ("a", "b")
+
+
+def busy_holder_cost(extra_ms: float) -> CostModel:
+    """`calibrated()` that has also seen pulls from a busy holder take `extra_ms` beyond its link fit."""
+    cost = calibrated(prefill_ms_per_token=0.3, pull_fixed_ms=8.0)
+    for n in (256, 512, 1024):
+        cost.observe_pull(n, cost.pull_ms(n) + extra_ms, holder_busy=True)
+    return cost
+
+
+def test_a_pull_from_a_busy_holder_costs_what_such_pulls_took():
+    idle_fit = calibrated(prefill_ms_per_token=0.3, pull_fixed_ms=8.0)
+    cost = busy_holder_cost(80.0)
+    busy, idle = ReplicaView("a", running=4), ReplicaView("a")
+    # The busy holders' pulls taught their own term and left the link fit as the idle holders' pulls made it.
+    assert cost.pull.coef == pytest.approx(idle_fit.pull.coef)
+    assert cost.pull_ms(256, busy) == pytest.approx(idle_fit.pull_ms(256) + 80.0, rel=0.01)
+    assert cost.pull_ms(256, idle) == cost.pull_ms(256) == pytest.approx(idle_fit.pull_ms(256))
+    assert cost.snapshot()["holder_load"]["busy_holder_ms"] == pytest.approx(80.0, rel=0.01)
+    # Off the holder, a 256-token history with 256 new tokens: recomputing all 513 takes about 160 ms, and pulling
+    # the history then computing the rest about 95 from an idle holder, but about 175 from this busy one.
+    history = lookup(513, ReplicaMatch("a", 256, "hold", 256, hold("a", 256)))
+    from_idle = plan_turn(513, history, [idle, ReplicaView("b")], cost, targets=["b"])
+    from_busy = plan_turn(513, history, [busy, ReplicaView("b")], cost, targets=["b"])
+    assert (from_idle.mode, from_idle.holder_busy) == (Mode.PULL, False)
+    assert from_busy.mode is Mode.RECOMPUTE
+    assert from_busy.estimates_ms["pull"] == pytest.approx(from_idle.estimates_ms["pull"] + 80.0, rel=0.01)
+    # A pull planned from the busy holder says so: what it measures teaches the busy holders' term.
+    forced = plan_turn(513, history, [busy, ReplicaView("b")], cost, force=(Mode.PULL, "b"))
+    assert (forced.mode, forced.holder_busy) == (Mode.PULL, True)
+
+
+def test_a_busy_holder_costs_nothing_extra_until_its_pulls_measure_slower():
+    # The prior: nothing learned from busy holders yet, a pull is priced by the link fit alone.
+    cost = calibrated()
+    assert cost.pull_ms(1024, ReplicaView("a", running=4)) == cost.pull_ms(1024)
+    # Holders that serve reads as fast when busy (RDMA: the NIC reads, not the holder's CPU) keep it at 0, even
+    # where those pulls come a little faster than the link fit says.
+    for n in (256, 512, 1024):
+        cost.observe_pull(n, cost.pull_ms(n) - 0.5, holder_busy=True)
+    assert cost.pull_ms(1024, ReplicaView("a", running=4)) == cost.pull_ms(1024)
