@@ -1,5 +1,6 @@
 """How long the planner alone takes to plan one turn, in a plain process (no Ray, no engines): p50/p99 of
-`plan_turn` over random turns at 8/16/32/64 replicas on 2 or 8 nodes, half of the replicas busy, with a
+`with_busy_peers` + `plan_turn`, wall and this thread's CPU time (a shared machine's preemptions leave the latter
+out), over random turns at 8/16/32/64 replicas on 2 or 8 nodes, half of the replicas busy, with a
 calibrated cost model (per-node contention fits, a measured estimate error, a workload forecast).
 
 `--dump PATH` instead writes every plan of a fixed set of random turns under every policy, one `repr` a line:
@@ -101,13 +102,15 @@ def timings(turns: int) -> dict[str, dict[str, float]]:
             rng = random.Random(replicas * 100 + nodes)
             cost = calibrated_cost(rng, names)
             cases = [random_turn(rng, replicas, names) for _ in range(turns)]
-            ms = []
+            wall, cpu = [], []
             for turn in cases:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 plan(cost, turn)
-                ms.append((time.perf_counter() - start) * 1e3)
-            q = statistics.quantiles(ms, n=100)
-            out[f"{replicas}r_{nodes}n"] = {"p50_ms": round(q[49], 3), "p99_ms": round(q[98], 3)}
+                cpu.append((time.thread_time() - start_cpu) * 1e3)
+                wall.append((time.perf_counter() - start) * 1e3)
+            q, q_cpu = statistics.quantiles(wall, n=100), statistics.quantiles(cpu, n=100)
+            out[f"{replicas}r_{nodes}n"] = {"p50_ms": round(q[49], 3), "p99_ms": round(q[98], 3),
+                                            "cpu_p50_ms": round(q_cpu[49], 3), "cpu_p99_ms": round(q_cpu[98], 3)}
     return out
 
 
