@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_right
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -95,6 +95,7 @@ def _options(
         if own_hold is not None and own_hold.replica_id != replica.replica_id:
             own_hold = None
         queue = cost.queue_ms(replica)
+        contending, impact_ms = contending_peers(replica, cost), impact.on(replica)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
         for reused in (cached, own) if own > cached else (cached,):
@@ -102,8 +103,7 @@ def _options(
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
-                                  cost.error.corrected(mode, contending_peers(replica, cost), ms), own_hold, ms,
-                                  impact.ms(replica, compute)))
+                                  cost.error.corrected(mode, contending, ms), own_hold, ms, impact_ms(compute)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -114,8 +114,7 @@ def _options(
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  cost.error.corrected(Mode.PULL, contending_peers(replica, cost), ms), hold, ms,
-                                  impact.ms(replica, rest)))
+                                  cost.error.corrected(Mode.PULL, contending, ms), hold, ms, impact_ms(rest)))
     return options
 
 
@@ -186,7 +185,6 @@ class _Impact:
         # Each later turn's stay on the target: its decode (its prefill is short).
         self.output_ms = output_tokens * cost.decode_step_ms
         self.future = future
-        self._per_peer: dict[str, float] = {}
         self._peers: dict[int, tuple[tuple[ReplicaView, ...], _BusyPeers]] = {}
 
     def _busy_peers(self, target: ReplicaView) -> _BusyPeers:
@@ -195,18 +193,22 @@ class _Impact:
             cached = self._peers[id(target.peers)] = (target.peers, _BusyPeers(target.peers, self.cost))
         return cached[1]
 
-    def ms(self, target: ReplicaView, compute_ms: float) -> float:
-        per_peer = self._per_peer.get(target.replica_id)
-        if per_peer is None:
-            per_peer = self._per_peer[target.replica_id] = self.cost.contention_per_peer(target.replica_id)
+    def on(self, target: ReplicaView) -> Callable[[float], float]:
+        """The impact of a turn on `target` by its compute time there (ms)."""
+        per_peer = self.cost.contention_per_peer(target.replica_id)
         peers = self._busy_peers(target)
         later = self.output_ms
         stays = per_peer * (later / 2) * (self.future * peers.arrival_per_ms * later)
         if not target.idle:
-            return target.arrival_rate / 1e3 * compute_ms**2 / 2 + stays
-        occupancy = compute_ms + later
-        return stays + per_peer * peers.waiting_overlap_ms(occupancy) + per_peer * (occupancy / 2) * (
-            peers.arrival_per_ms * occupancy)
+            arrival_per_ms = target.arrival_rate / 1e3
+            return lambda compute_ms: arrival_per_ms * compute_ms**2 / 2 + stays
+
+        def idle_target(compute_ms: float) -> float:
+            occupancy = compute_ms + later
+            return stays + per_peer * peers.waiting_overlap_ms(occupancy) + per_peer * (occupancy / 2) * (
+                peers.arrival_per_ms * occupancy)
+
+        return idle_target
 
 
 def plan_turn(
