@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from ray import serve
@@ -189,7 +189,6 @@ class Ingress:
     async def stats(self) -> dict[str, Any]:
         """Planner counters, the cost model's current fit, the directory, the replicas and where this ingress runs."""
         directory_stats = await self.directory.stats.remote()
-        plan_ms = sorted(self.runner.plan_ms)
         # Each replica's process and its vLLM engine processes, on the replica's node: what a supervisor checks.
         # A simulated replica says how much slower than its modelled hardware it runs (`time_dilation`).
         processes = {i.replica_id: {"pid": i.pid, "engine_pids": i.engine_pids}
@@ -201,8 +200,9 @@ class Ingress:
             "cost_model": self.runner.cost.snapshot(),
             "directory": directory_stats._asdict(),
             "mirror": self.mirror.stats(),
-            "plan_ms": {"p50": plan_ms[len(plan_ms) // 2], "p99": plan_ms[int(0.99 * (len(plan_ms) - 1))],
-                        "samples": len(plan_ms)} if plan_ms else None,
+            "plan_ms": _percentiles(self.runner.plan_ms),
+            # The planning thread's CPU time for the same plans: the planner's own cost on a saturated machine too.
+            "plan_cpu_ms": _percentiles(self.runner.plan_cpu_ms),
             # What one-turn HTTP responses cost this ingress outside the engine request (parse, render, plan; and
             # derender, respond), medians.
             "ingress_own_ms": self.own_work.summary(),
@@ -242,3 +242,11 @@ class Ingress:
             raise ClientError(400, str(refused)) from None
         finally:
             self.turns_running -= 1
+
+
+def _percentiles(ms: Collection[float]) -> dict[str, float] | None:
+    """p50 and p99 of recent plans' times, and how many there were (None before the first plan)."""
+    ordered = sorted(ms)
+    if not ordered:
+        return None
+    return {"p50": ordered[len(ordered) // 2], "p99": ordered[int(0.99 * (len(ordered) - 1))], "samples": len(ordered)}

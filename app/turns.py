@@ -89,6 +89,8 @@ class TurnRunner:
         self.recent_prompts = RecentPrompts()
         self._background: set[asyncio.Task] = set()  # work after turns, in flight (asyncio keeps weak refs only)
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
+        # The CPU time this thread spent on them: the planner's own cost, without waits for a busy machine's cores.
+        self.plan_cpu_ms: deque[float] = deque(maxlen=1024)
         # (puller, holder) replica pairs whose NIXL agents have met (a pull between them succeeded).
         self.met: set[tuple[str, str]] = set()
         self._generate_handles: dict[Any, Any] = {}  # engine pool handle -> its streaming `generate` handle
@@ -132,12 +134,15 @@ class TurnRunner:
             self._rotation + 1, self._output_tokens(turn), self.met, turn_index,
         )
 
-    def record_planned(self, turn: Turn, plan: Plan, force: tuple[Mode, str] | None, plan_ms: float) -> None:
+    def record_planned(
+        self, turn: Turn, plan: Plan, force: tuple[Mode, str] | None, plan_ms: float, plan_cpu_ms: float
+    ) -> None:
         """Count a turn that runs as `plan` (once per turn: not again for its continuation after a lost replica):
         the round-robin baselines' rotation, the turn's place in its conversation (the forecast of turns to come)
         and its prompt (the next turn's place), and how long planning it took."""
         self._rotation += 1
         self.plan_ms.append(plan_ms)
+        self.plan_cpu_ms.append(plan_cpu_ms)
         if self._tracks_conversations(turn, force):
             self.cost.workload.observe_turn(plan.turn_index)
             self.recent_prompts.add(self.key(turn), plan.turn_index)
@@ -170,10 +175,11 @@ class TurnRunner:
         outcome: TurnOutcome | None = None
         rest: Turn | None = turn
         while rest is not None:
-            planning = time.perf_counter()
+            planning, planning_cpu = time.perf_counter(), time.thread_time()
             plan = self.plan(rest, force, self._targets())
             if outcome is None:
-                self.record_planned(turn, plan, force, (time.perf_counter() - planning) * 1e3)
+                self.record_planned(turn, plan, force, (time.perf_counter() - planning) * 1e3,
+                                    (time.thread_time() - planning_cpu) * 1e3)
                 outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
             else:
                 outcome.plan, outcome.pull_failed = plan, False

@@ -178,10 +178,14 @@ class CostModel:
     def contention_impact_ms(self, overlap_ms: float, requests: float, replica_id: str | None = None) -> float:
         """Delay imposed on `requests` requests working on a busy engine of a node while one more of its engines
         (`replica_id`) works beside them for `overlap_ms`: each runs slower by the node's slowdown per busy peer."""
+        return self.contention_per_peer(replica_id) * overlap_ms * requests
+
+    def contention_per_peer(self, replica_id: str | None = None) -> float:
+        """How much slower a busy engine beside `replica_id` works while `replica_id` works too (0 where a node's
+        engines do not share compute): `contention_impact_ms` per ms of overlap and per request slowed."""
         if not self.shared_compute:
             return 0.0
-        per_peer = max(0.0, self._contention(replica_id).predict((1.0,)))
-        return per_peer * overlap_ms * requests
+        return max(0.0, self._contention(replica_id).predict((1.0,)))
 
     # ---------------------------------------------------------------- calibration (mutates)
 

@@ -22,8 +22,22 @@ class OnlineLinearFit:
         if len(self.samples) >= len(self.names):
             self._refit()
 
+    @property
+    def coef(self) -> np.ndarray:
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: Sequence[float]) -> None:
+        self._coef = np.asarray(value, dtype=float)
+        self._terms = self._coef.tolist()
+
     def predict(self, features: Sequence[float]) -> float:
-        return float(np.dot(self.coef, features))
+        # Over Python floats, in numpy's order: the planner predicts per option, and numpy's dot of three features
+        # costs twice this loop.
+        y = 0.0
+        for c, f in zip(self._terms, features, strict=True):
+            y += c * f
+        return y
 
     def _refit(self) -> None:
         x = np.stack([f for f, _ in self.samples])

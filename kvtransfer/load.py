@@ -45,13 +45,18 @@ class ReplicaView(NamedTuple):
 def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
     """Each view with the other replicas on its node that are busy (running, queued or prefilling): how many,
     and, per busy one, its requests waiting for their first token, the prompt tokens they still need and its
-    recent arrival rate."""
-    busy = [v for v in views if not v.idle]
+    recent arrival rate. The idle views of a node share one tuple of peers (the planner sums over each tuple once)."""
+    busy: dict[str | None, list[ReplicaView]] = {}
+    for v in views:
+        if not v.idle:
+            busy.setdefault(node_of.get(v.replica_id), []).append(v._replace(peers=()) if v.peers else v)
+    shared = {node: tuple(peers) for node, peers in busy.items()}
     out = []
     for v in views:
-        node = node_of.get(v.replica_id)
-        peers = [b for b in busy if b.replica_id != v.replica_id and node_of.get(b.replica_id) == node]
-        out.append(v._replace(peers=tuple(p._replace(peers=()) for p in peers)))
+        peers = shared.get(node_of.get(v.replica_id), ())
+        if not v.idle:
+            peers = tuple(p for p in peers if p.replica_id != v.replica_id)
+        out.append(v._replace(peers=peers))
     return out
 
 

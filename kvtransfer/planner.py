@@ -20,14 +20,16 @@ reports every estimate.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Collection, Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import ReplicaView
 from kvtransfer.options import Mode, Option, contending_peers, fastest
 from kvtransfer.policies import DEFAULT_POLICY, PlacementPolicy, PolicyContext, get_policy
-from kvtransfer.types import HoldOffer, LookupResult
+from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +78,17 @@ def _options(
     turn_index: int | None = None,
 ) -> list[Option]:
     live = {r.replica_id: r for r in replicas}
-    future = cost.workload.expected_future_turns(turn_index)
+    impact = _Impact(cost, output_tokens, cost.workload.expected_future_turns(turn_index))
+    matches: dict[str, ReplicaMatch] = {}
+    for m in lookup.matches:
+        matches.setdefault(m.replica_id, m)
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
     holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
     options: list[Option] = []
     for replica in replicas:
         if targets is not None and replica.replica_id not in targets:
             continue
-        match = lookup.get(replica.replica_id)
+        match = matches.get(replica.replica_id)
         # vLLM computes at least the last prompt token, so at most num_tokens - 1 can be reused.
         cached = min(match.cached_tokens if match else 0, num_tokens - 1)
         # The target's own hold of this history: its prefix cache has the full blocks; reading the hold (a copy
@@ -92,6 +97,7 @@ def _options(
         if own_hold is not None and own_hold.replica_id != replica.replica_id:
             own_hold = None
         queue = cost.queue_ms(replica)
+        contending, impact_ms = contending_peers(replica, cost), impact.on(replica)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
         for reused in (cached, own) if own > cached else (cached,):
@@ -99,8 +105,7 @@ def _options(
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
-                                  cost.error.corrected(mode, contending_peers(replica, cost), ms), own_hold, ms,
-                                  _impact_ms(replica, compute, output_tokens, cost, future)))
+                                  cost.error.corrected(mode, contending, ms), own_hold, ms, impact_ms(compute)))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -111,8 +116,7 @@ def _options(
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  cost.error.corrected(Mode.PULL, contending_peers(replica, cost), ms), hold, ms,
-                                  _impact_ms(replica, rest, output_tokens, cost, future)))
+                                  cost.error.corrected(Mode.PULL, contending, ms), hold, ms, impact_ms(rest)))
     return options
 
 
@@ -124,8 +128,34 @@ def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
     return 0.0 if target.idle else READ_STEPS * cost.decode_step_ms
 
 
-def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost: CostModel, future: float) -> float:
-    """The delay a turn on `target` imposes on other requests' first tokens.
+class _BusyPeers:
+    """Sums over a set of busy engines beside a target, all that `_Impact` reads of them: their arrival rate, and
+    their requests waiting for a first token by how long the prefills queued there will take. Built once per set
+    (the idle replicas of a node share theirs, `with_busy_peers`), so that pricing an option costs a bisection
+    instead of a pass over the node's busy engines."""
+
+    def __init__(self, peers: Sequence[ReplicaView], cost: CostModel) -> None:
+        self.arrival_per_ms = sum(p.arrival_rate for p in peers) / 1e3
+        self._peers, self._cost = peers, cost
+        self._backlog_ms: list[float] | None = None  # built on first use: only idle targets read it
+
+    def waiting_overlap_ms(self, occupancy_ms: float) -> float:
+        """Over the waiting requests, how long each waits while a turn occupies an engine beside them for
+        `occupancy_ms`: the overlap with its engine's queued prefills, whichever ends first."""
+        if self._backlog_ms is None:
+            backlog = sorted((self._cost.queued_prefill_ms(p.prefill_tokens, p.awaiting_first_token),
+                              p.awaiting_first_token) for p in self._peers if p.awaiting_first_token)
+            self._backlog_ms = [ms for ms, _ in backlog]
+            # Over the backlogs before each index: their waiting requests x backlog, and their waiting requests.
+            self._work = list(accumulate((ms * n for ms, n in backlog), initial=0.0))
+            self._waiting = list(accumulate((n for _, n in backlog), initial=0))
+        k = bisect_right(self._backlog_ms, occupancy_ms)
+        return self._work[k] + occupancy_ms * (self._waiting[-1] - self._waiting[k])
+
+
+class _Impact:
+    """The delay a turn on a target imposes on other requests' first tokens, for one plan (its turn's output length
+    and the later turns its conversation brings); per-target and per-node terms are computed once per plan.
 
     On a busy target, requests that arrive while its prefill runs wait for it: at the target's recent arrival rate,
     about rate x compute^2 / 2 in all, so a long prefill on a busy engine costs far more than a short one. On an
@@ -151,19 +181,36 @@ def _impact_ms(target: ReplicaView, compute_ms: float, output_tokens: int, cost:
     other, benchmarks/two_cores.py, but with both engines busy the node's other processes, replica actors, ingress
     and Ray, take their CPU from the engines).
     """
-    later = output_tokens * cost.decode_step_ms  # each later turn's stay: its decode (its prefill is short)
-    stays = sum(cost.contention_impact_ms(later / 2, future * peer.arrival_rate / 1e3 * later, target.replica_id)
-                for peer in target.peers)
-    if not target.idle:
-        return target.arrival_rate / 1e3 * compute_ms**2 / 2 + stays
-    occupancy = compute_ms + output_tokens * cost.decode_step_ms
-    return stays + sum(
-        cost.contention_impact_ms(
-            min(occupancy, cost.queued_prefill_ms(peer.prefill_tokens, peer.awaiting_first_token)),
-            peer.awaiting_first_token, target.replica_id)
-        + cost.contention_impact_ms(occupancy / 2, peer.arrival_rate / 1e3 * occupancy, target.replica_id)
-        for peer in target.peers
-    )
+
+    def __init__(self, cost: CostModel, output_tokens: int, future: float) -> None:
+        self.cost = cost
+        # Each later turn's stay on the target: its decode (its prefill is short).
+        self.output_ms = output_tokens * cost.decode_step_ms
+        self.future = future
+        self._peers: dict[int, tuple[tuple[ReplicaView, ...], _BusyPeers]] = {}
+
+    def _busy_peers(self, target: ReplicaView) -> _BusyPeers:
+        cached = self._peers.get(id(target.peers))
+        if cached is None or cached[0] is not target.peers:
+            cached = self._peers[id(target.peers)] = (target.peers, _BusyPeers(target.peers, self.cost))
+        return cached[1]
+
+    def on(self, target: ReplicaView) -> Callable[[float], float]:
+        """The impact of a turn on `target` by its compute time there (ms)."""
+        per_peer = self.cost.contention_per_peer(target.replica_id)
+        peers = self._busy_peers(target)
+        later = self.output_ms
+        stays = per_peer * (later / 2) * (self.future * peers.arrival_per_ms * later)
+        if not target.idle:
+            arrival_per_ms = target.arrival_rate / 1e3
+            return lambda compute_ms: arrival_per_ms * compute_ms**2 / 2 + stays
+
+        def idle_target(compute_ms: float) -> float:
+            occupancy = compute_ms + later
+            return stays + per_peer * peers.waiting_overlap_ms(occupancy) + per_peer * (occupancy / 2) * (
+                peers.arrival_per_ms * occupancy)
+
+        return idle_target
 
 
 def plan_turn(

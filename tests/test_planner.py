@@ -6,7 +6,7 @@ import pytest
 
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
-from kvtransfer.load import ReplicaView, preferred_replica
+from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
 from kvtransfer.options import STAY_MARGIN_MS, Mode
 from kvtransfer.planner import _options, plan_turn
 from kvtransfer.policies.kvrelay import STAY_MARGIN
@@ -464,6 +464,46 @@ def test_a_turn_on_an_idle_engine_is_priced_for_the_turns_its_conversation_will_
     on_b = next(o for o in _options(600, lookup(600), views, conversations, output_tokens=24) if o.replica_id == "b")
     future = conversations.workload.expected_future_turns()
     assert on_b.impact_ms == pytest.approx(alone.impact_ms + 0.1 * (future * 2.0 / 1e3 * decode) * decode / 2, rel=0.02)
+
+
+def test_a_plan_reads_each_nodes_busy_engines_once_and_prices_impact_as_their_sum(monkeypatch):
+    # 32 replicas on one node, every other one busy with prefills queued of different lengths; four of them hold
+    # the prompt, so each idle target has up to five options, each priced against the 16 busy engines.
+    cost = contended(0.1)
+    for _ in range(4):
+        for index in range(3):
+            cost.workload.observe_turn(index)
+    views = with_busy_peers(
+        [ReplicaView(f"r{i}", running=1, waiting=i % 3, prefill_tokens=(i % 5) * 400, prefilling=i % 2,
+                     arrival_rate=0.1 * i) if i % 2 else ReplicaView(f"r{i}") for i in range(32)],
+        {f"r{i}": "n" for i in range(32)})
+    matches = [ReplicaMatch(r, n, "hold", 0, hold(r, n)) for r, n in (("r1", 900), ("r4", 700), ("r7", 500))]
+    calls = []
+    queued_prefill_ms = cost.queued_prefill_ms
+    monkeypatch.setattr(cost, "queued_prefill_ms", lambda *a, **k: calls.append(a) or queued_prefill_ms(*a, **k))
+    options = _options(1000, lookup(1000, *matches), views, cost, output_tokens=24, turn_index=0)
+    # Once per replica for its own queue, and once per busy engine for the idle targets beside it: not per option.
+    assert len(calls) <= 32 + 16 < len(options)
+    # Each idle option's impact is still the sum over the busy engines beside it (`CostModel.contention_impact_ms`).
+    later, future = 24 * cost.decode_step_ms, cost.workload.expected_future_turns(0)
+    busy = [v._replace(peers=()) for v in views if not v.idle]
+    assert future > 0 and len(options) > 64
+    for o in options:
+        target = next(v for v in views if v.replica_id == o.replica_id)
+        stays = sum(cost.contention_impact_ms(later / 2, future * p.arrival_rate / 1e3 * later, o.replica_id)
+                    for p in target.peers)
+        if not target.idle:
+            assert target.peers == tuple(p for p in busy if p.replica_id != o.replica_id)
+            continue
+        assert target.peers == tuple(busy)
+        # Its occupancy of the target: the prefill of what it does not reuse, then its decode.
+        occupancy = cost.recompute_ms(1000 - o.reused_tokens, o.reused_tokens, 16, o.replica_id) + later
+        expected = stays + sum(
+            cost.contention_impact_ms(min(occupancy, queued_prefill_ms(p.prefill_tokens, p.awaiting_first_token)),
+                                      p.awaiting_first_token, o.replica_id)
+            + cost.contention_impact_ms(occupancy / 2, p.arrival_rate / 1e3 * occupancy, o.replica_id)
+            for p in target.peers)
+        assert o.impact_ms == pytest.approx(expected, rel=1e-9)
 
 
 def test_a_conversation_on_an_idle_engine_is_pulled_to_the_busy_one_when_it_would_delay_its_first_tokens():
