@@ -33,7 +33,7 @@ from kvtransfer.connector import is_load_failure
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import preferred_replica, with_busy_peers
 from kvtransfer.options import Mode
-from kvtransfer.planner import Plan, plan_turn, reads_hold
+from kvtransfer.planner import Plan, observe_queues, plan_turn, reads_hold
 from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.types import Hold, LookupResult
 
@@ -138,9 +138,11 @@ class TurnRunner:
         self, turn: Turn, plan: Plan, force: tuple[Mode, str] | None, plan_ms: float, plan_cpu_ms: float
     ) -> None:
         """Count a turn that runs as `plan` (once per turn: not again for its continuation after a lost replica):
-        the round-robin baselines' rotation, the turn's place in its conversation (the forecast of turns to come)
-        and its prompt (the next turn's place), and how long planning it took."""
+        the round-robin baselines' rotation, the queues it found (the replicas' typical waits), the turn's place in its
+        conversation (the forecast of turns to come) and its prompt (the next turn's place), and how long planning it
+        took."""
         self._rotation += 1
+        observe_queues(self.cost, plan, time.monotonic())
         self.plan_ms.append(plan_ms)
         self.plan_cpu_ms.append(plan_cpu_ms)
         if self._tracks_conversations(turn, force):

@@ -30,7 +30,7 @@ from kvtransfer.cost_model import CostModel
 from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
 from kvtransfer.options import Mode
-from kvtransfer.planner import plan_turn, reads_hold
+from kvtransfer.planner import observe_queues, plan_turn, reads_hold
 from kvtransfer.policies import get_policy
 from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.sim.block_cache import vllm_block_hashes
@@ -181,6 +181,7 @@ class Fleet:
         plan = plan_turn(len(prompt), lookup, views, self.cost, preferred, force, targets, policy, self._rotation,
                          self.cost.workload.expected_output_tokens(len(output)), self.met, turn_index)
         self.result.counters[f"plans_{plan.mode.value}"] += 1
+        observe_queues(self.cost, plan, self.now)
         full = prompt + output
         bs = self.profile.block_size
         known = len(live.vllm_hashes)
@@ -192,7 +193,7 @@ class Fleet:
         request = SimRequest(f"q{self._request_seq}", prompt, output[:1] if disaggregated else output, hashes,
                              self.now, cache_salt=conv.tenant,
                              skip_cache=force is not None and force[0] is Mode.RECOMPUTE,
-                             export_hold=disaggregated or pulls)
+                             export_hold=disaggregated or pulls, planned_reused=plan.reused_tokens)
         t = TurnInFlight(live, index, plan, self.now, prompt, request, forced=force is not None and not baseline,
                   on_done=on_done)
         t.output = output

@@ -45,6 +45,7 @@ import numpy as np
 
 from kvtransfer.estimate_error import EstimateError
 from kvtransfer.fits import OnlineLinearFit
+from kvtransfer.typical_wait import TypicalWait
 from kvtransfer.workload import WorkloadForecast
 
 if TYPE_CHECKING:  # the planner's view of a replica; its module prices nothing
@@ -87,6 +88,8 @@ class CostModel:
         self._decode_samples = 0
         # How many more turns a conversation brings, and how long a turn decodes.
         self.workload = WorkloadForecast()
+        # How long turns typically wait on each replica (what a conversation's later turns will find there).
+        self.typical_wait = TypicalWait()
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
         self.handshake_ms = 0.0
         # Per replica: recent measured / fleet-estimated prefill ratios, and their median once there are enough.
@@ -275,4 +278,5 @@ class CostModel:
             "expected_future_turns_after_first": round(self.workload.expected_future_turns(0), 2),
             "replica_speed": {r: round(f, 3) for r, f in sorted(self._speed.items())},
             "estimate_error": self.error.as_dict(),
+            "typical_wait_ms": self.typical_wait.as_dict(),
         }

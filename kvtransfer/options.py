@@ -41,11 +41,14 @@ class Option(NamedTuple):
     model_ms: float = 0.0
     # Delay this option imposes on other requests' first tokens: on its target, or on busy engines beside it.
     impact_ms: float = 0.0
+    # What the conversation's later turns, which find their history on the target, will typically wait there.
+    later_wait_ms: float = 0.0
 
     @property
     def cost_ms(self) -> float:
-        """What the kvrelay policy minimizes: this turn's time to first token plus the delay it causes others."""
-        return self.estimate_ms + self.impact_ms
+        """What the kvrelay policy minimizes: this turn's time to first token, the delay it causes others, and the
+        waits its conversation's later turns will find where it leaves the history."""
+        return self.estimate_ms + self.impact_ms + self.later_wait_ms
 
 
 def contending_peers(replica: ReplicaView, cost: CostModel) -> int:

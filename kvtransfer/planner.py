@@ -7,7 +7,9 @@ tokens (requests arriving at a busy target wait for its prefill; an idle engine 
 engines sharing its node, by the measured contention, and with them the first tokens waiting or arriving there;
 and on any target, the later turns the conversation will bring there keep it decoding beside the busy engines of
 its node, slowing the first tokens arriving at them). Slower decoding is priced only through those first tokens:
-it lengthens replies already started, not their wait.
+it lengthens replies already started, not their wait. A conversation's first turn also founds its home: its later
+turns will find their history on the target and wait there what turns typically wait there (`CostModel.typical_wait`),
+so each of its options is priced for those waits too.
 So a busy holder can lose the turn to an idle replica that pulls from it, a turn joins a busy engine beside an
 idle one when that engine is busy enough that slowing it would cost others more than the turn saves, and of two
 busy engines the one with less traffic drains into the other as its conversations' next turns move. The choice
@@ -65,6 +67,8 @@ class Plan(NamedTuple):
     turn_index: int | None = 0
     # PULL: whether the holder was busy when planned (which of the cost model's pull fits the transfer teaches).
     holder_busy: bool = False
+    # Each weighed target's queue when planned: what `CostModel.typical_wait` averages once the turn is dispatched.
+    queues_ms: dict[str, float] = {}
 
 
 def _options(
@@ -76,7 +80,9 @@ def _options(
     output_tokens: int = 1,
     met: Collection[tuple[str, str]] | None = None,
     turn_index: int | None = None,
+    queues: dict[str, float] | None = None,
 ) -> list[Option]:
+    """Every (target, mode) option for the turn, priced; `queues` (if given) receives each target's queue estimate."""
     live = {r.replica_id: r for r in replicas}
     impact = _Impact(cost, output_tokens, cost.workload.expected_future_turns(turn_index))
     matches: dict[str, ReplicaMatch] = {}
@@ -97,6 +103,11 @@ def _options(
         if own_hold is not None and own_hold.replica_id != replica.replica_id:
             own_hold = None
         queue = cost.queue_ms(replica)
+        if queues is not None:
+            queues[replica.replica_id] = queue
+        # A first turn founds the conversation's home: its later turns will wait there what turns typically wait
+        # (a later turn's move is the stay rule's: a transient queue would move it off a holder about to be idle).
+        later = impact.future * cost.typical_wait.marginal_ms(replica.replica_id) if turn_index == 0 else 0.0
         contending, impact_ms = contending_peers(replica, cost), impact.on(replica)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
@@ -105,7 +116,7 @@ def _options(
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
-                                  cost.error.corrected(mode, contending, ms), own_hold, ms, impact_ms(compute)))
+                                  cost.error.corrected(mode, contending, ms), own_hold, ms, impact_ms(compute), later))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -116,7 +127,7 @@ def _options(
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             ms = queue + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  cost.error.corrected(Mode.PULL, contending, ms), hold, ms, impact_ms(rest)))
+                                  cost.error.corrected(Mode.PULL, contending, ms), hold, ms, impact_ms(rest), later))
     return options
 
 
@@ -249,7 +260,8 @@ def plan_turn(
         raise ValueError("no live engine replica to plan on")
     if num_tokens <= 0:
         raise ValueError("a turn needs at least one prompt token")
-    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met, turn_index)
+    queues: dict[str, float] = {}
+    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met, turn_index, queues)
     if not options:
         raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
     if force is not None:
@@ -289,7 +301,14 @@ def plan_turn(
         impact_ms=round(chosen.impact_ms, 2),
         turn_index=turn_index,
         holder_busy=any(r.replica_id == chosen.holder and not r.idle for r in replicas),
+        queues_ms=queues,
     )
+
+
+def observe_queues(cost: CostModel, plan: Plan, now_s: float) -> None:
+    """What a dispatched turn's plan teaches the cost model's typical waits (mutates `cost`): the queue it found on
+    every replica it weighed, and its own compute (its estimate less the queue on its target)."""
+    cost.typical_wait.observe(now_s, plan.queues_ms, plan.model_ms - plan.queues_ms.get(plan.replica_id, 0.0))
 
 
 def reads_hold(plan: Plan | Option) -> bool:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
 from kvtransfer.options import STAY_MARGIN_MS, Mode
-from kvtransfer.planner import _options, plan_turn
+from kvtransfer.planner import _options, observe_queues, plan_turn
 from kvtransfer.policies.kvrelay import STAY_MARGIN
 from kvtransfer.types import Hold, HoldId, HoldOffer, LookupResult, ReplicaMatch
+from kvtransfer.typical_wait import TypicalWait
 from tests.conftest import make_hold
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
@@ -851,3 +854,40 @@ def test_a_busy_holder_costs_nothing_extra_until_its_pulls_measure_slower():
     for n in (256, 512, 1024):
         cost.observe_pull(n, cost.pull_ms(n) - 0.5, holder_busy=True)
     assert cost.pull_ms(1024, ReplicaView("a", running=4)) == cost.pull_ms(1024)
+
+
+def test_a_replicas_typical_wait_is_its_queue_averaged_over_time_and_its_marginal_cost_grows_with_it():
+    waits = TypicalWait()
+    waits.observe(0.0, {"a": 100.0, "b": 0.0}, service_ms=50.0)
+    waits.observe(0.0 + TypicalWait.TAU_S, {"a": 0.0})  # one time constant later "a" is found empty
+    assert waits.ms("a") == pytest.approx(100.0 * math.exp(-1))
+    assert waits.ms("b") == 0.0 and waits.ms("never-seen") == 0.0
+    # M/M/1: a turn waits W and adds W / (1 - utilization) = W (1 + W / S) to the others' waits.
+    w = waits.ms("a")
+    assert waits.marginal_ms("a") == pytest.approx(w * (2 + w / 50.0))
+
+
+def test_a_first_turn_founds_its_conversation_where_its_later_turns_will_wait_least():
+    # Two idle replicas; "a" caches the tenant's 3,000-token system prompt, "b" nothing. Conversations run five turns.
+    cost = calibrated()
+    for _ in range(12):
+        for index in range(5):
+            cost.workload.observe_turn(index)
+    views = [ReplicaView("a"), ReplicaView("b")]
+    system_prompt = lookup(3200, ReplicaMatch("a", 3000, "resident", 3000, None))
+    # By this turn's own first token, "a" (3,000 tokens cached) wins by far.
+    assert plan_turn(3200, system_prompt, views, cost, turn_index=0).replica_id == "a"
+    # But turns have lately found 400 ms of queue on "a" and none on "b": the conversation's four later turns would
+    # wait there, and add to the others' waits; it starts on "b" and keeps its history there.
+    cost.typical_wait.observe(0.0, {"a": 400.0, "b": 0.0}, service_ms=100.0)
+    founded = plan_turn(3200, system_prompt, views, cost, turn_index=0)
+    assert founded.replica_id == "b"
+    on_a = next(o for o in _options(3200, system_prompt, views, cost, turn_index=0) if o.replica_id == "a")
+    assert on_a.later_wait_ms == pytest.approx(4 * 400.0 * (2 + 400.0 / 100.0))
+    # A later turn's history is where it is: the typical waits do not move it (the stay rule decides).
+    later = lookup(3200, ReplicaMatch("a", 3100, "resident", 3100, None))
+    assert plan_turn(3200, later, views, cost, turn_index=2).replica_id == "a"
+    # Planning records nothing; the dispatched turn's plan teaches the queues it found.
+    assert founded.queues_ms == {"a": 0.0, "b": 0.0}
+    observe_queues(cost, founded, TypicalWait.TAU_S)
+    assert cost.typical_wait.ms("a") == pytest.approx(400.0 * math.exp(-1))

@@ -135,16 +135,27 @@ def test_a_fleet_of_eight_modelled_replicas_serves_a_multi_turn_workload_with_pu
     from benchmarks.fleet_sim import Fleet
     from benchmarks.fleet_workloads import Dist, Workload
 
-    # Long histories (20k-30k tokens: recomputing one takes longer than pulling it) and half a second's thought
-    # between turns: some holders are busy when their conversations' next turns come, and an idle replica pulls
-    # the history instead of queueing behind them.
-    workload = Workload(conversations=64, turns=Dist(kind="uniform", min=4, max=4), system_prefix_tokens=256,
+    # Long histories (20k-30k tokens: recomputing one takes longer than pulling it), new conversations arriving
+    # four a second and a second's thought between turns: some holders are busy with a new conversation's first
+    # turn when their conversations' next turns come, and an idle replica pulls the history instead of queueing.
+    workload = Workload(conversations=64, turns=Dist(kind="uniform", min=6, max=6), system_prefix_tokens=256,
                         conversation_prefix_tokens=Dist(kind="uniform", min=20000, max=30000),
                         user_tokens=Dist(kind="uniform", min=40, max=60),
-                        output_tokens=Dist(kind="uniform", min=100, max=200), concurrency=64,
-                        think_time_s=Dist(kind="exponential", mean=0.5))
+                        output_tokens=Dist(kind="uniform", min=100, max=200), arrival="poisson", rate=4.0,
+                        think_time_s=Dist(kind="exponential", mean=1.0))
     result = Fleet(load_profile("h100-llama-3.1-8b"), 8, "kvrelay", seed=1).run(workload)
-    assert len(result.records) == 64 * 4
+    assert len(result.records) == 64 * 6
     modes = {r.mode for r in result.records}
     assert modes == {"local", "pull", "recompute"} and result.counters["pulls"] > 0
     assert all(r.ttft_ms > 0 for r in result.records)
+
+
+def test_a_queued_request_counts_as_the_prefill_its_plan_expects_until_the_engine_admits_it():
+    # What a router sees of an engine's queue: a follow-up turn planned to reuse 48 of its 69 prompt tokens is 21
+    # tokens of prefill, not 69, while it waits; once admitted, what it really has left.
+    engine = SimEngine("r0", "n0", profile(max_num_seqs=1))
+    engine.add(request("busy", list(range(1000, 1040)), 5))
+    engine.finish_step(engine.next_step(0.0))  # "busy" takes the engine's one slot, and decodes from now on
+    follow_up = request("t2", list(range(69)), 1, planned_reused=48)
+    engine.add(follow_up)
+    assert engine.prefill_backlog() == (1, 21)

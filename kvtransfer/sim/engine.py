@@ -42,6 +42,9 @@ class SimRequest:
     cache_salt: str | None = None  # the tenant: its blocks hash apart from every other tenant's
     skip_cache: bool = False  # a forced recompute: reuse nothing
     export_hold: bool = False
+    # Prompt tokens the planner expects it to reuse (its plan's): what a router counts as its prefill until the
+    # engine admits it and finds what it really reuses.
+    planned_reused: int = 0
     # Filled in as it runs.
     reused_tokens: int = 0
     computed: int = 0
@@ -120,9 +123,12 @@ class SimEngine:
         return not self.running and not self.waiting and self._step is None
 
     def prefill_backlog(self) -> tuple[int, int]:
-        """(requests waiting for their first token, their prompt tokens still to compute)."""
-        reqs = [r for r in (*self.waiting, *self.running) if r.first_token_at is None]
-        return len(reqs), sum(r.prompt_len - max(r.computed, r.reused_tokens) for r in reqs)
+        """(requests waiting for their first token, their prompt tokens still to compute): for a request not yet
+        admitted, the prompt less what its plan reuses (as the ingress counts what it sent, `app/inflight.py`)."""
+        waiting = [r for r in self.waiting if r.first_token_at is None]
+        running = [r for r in self.running if r.first_token_at is None]
+        return len(waiting) + len(running), (sum(r.prompt_len - max(r.computed, r.planned_reused) for r in waiting)
+                                             + sum(r.prompt_len - r.computed for r in running))
 
     # ----- requests
 
