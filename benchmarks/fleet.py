@@ -29,7 +29,7 @@ from kvtransfer.sim.profile import EngineProfile, Link, load_profile
 
 POLICIES = ("round_robin", "session", "prefix_affinity", "fixed_threshold", "kvrelay")
 # `all`: the real benchmark's four and the fleet's own; `pr32553` (vLLM PR #32553's P/D run) is named when wanted.
-WORKLOADS = (*MULTI_TURN, "trace", "bursts", "hot_tenant")
+WORKLOADS = (*MULTI_TURN, "trace", "bursts", "hot_tenant", "long_context")
 
 
 def percentile(values: list[float], q: float) -> float:
