@@ -2,8 +2,8 @@
 
 The four multi-turn configs in `benchmarks/configs/` (the real benchmark's,
 `benchmarks.multi_turn_workload.BenchConfig`) scaled to the fleet, plus workloads only a fleet has: a trace-shaped one
-(`trace`), bursts (`bursts`), one hot tenant (`hot_tenant`) and 20k-30k-token contexts (`long_context`), defined in `benchmarks/configs/fleet_*.json` with their
-sources.
+(`trace`), bursts (`bursts`), one hot tenant (`hot_tenant`) and 20k-30k-token contexts (`long_context`), defined in
+`benchmarks/configs/fleet_*.json` with their sources.
 """
 
 from __future__ import annotations
