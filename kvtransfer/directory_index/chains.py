@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvtransfer.directory_index.records import (
     FULL_NODE_BYTES,
     NODE_BYTES,
+    RESIDENT_NODE_BYTES,
     HoldRecord,
     Node,
     ReplicaRecord,
@@ -39,8 +40,9 @@ DEFAULT_EXPIRY_MARGIN_S = 10.0
 class ChainIndex:
     """The directory's state: nodes, holds, cache segments, the LRU over both, replicas, counters.
 
-    Not thread-safe: one caller at a time. Two invariants hold between public calls: a node exists while some
-    replica holds it, and a replica that holds a node holds its parent.
+    Not thread-safe: one caller at a time. Three invariants hold between public calls: a node exists while some
+    replica holds it, a replica that holds a node holds its parent, and a block that is only one replica's cache
+    entry (no other replica, no hold, not a hole) has no `Node` but is recorded in its cache segment.
     """
 
     def __init__(
@@ -124,31 +126,33 @@ class ChainIndex:
             return value if value.replica == rep.index else None
         return rep.resident.get(key) if value is not None else None
 
-    def _parent_of(self, key: BlockHash, value: Node | Segment) -> BlockHash | None:
-        return value.parent_of(value.position(key)) if type(value) is Segment else value.parent
-
-    def _expand(self, key: BlockHash, seg: Segment, hint: int = -1) -> Node:
-        """Give a plain cache entry a full Node (a second replica, a hold or a hole is about to touch it)."""
-        position = seg.position(key, hint)
+    def _expand(self, key: BlockHash, seg: Segment, position: int) -> Node:
+        """Give a plain cache entry (`seg.hashes[position]`) a full Node: a second replica, a hold or a hole is
+        about to touch it."""
         node = Node(seg.parent_of(position))
         node.rmask = node.mask = seg.mask
         node.rrefs = seg.refs[position]
         self._by_index[seg.replica].resident[key] = seg
         self._nodes[key] = node
-        self._bytes += FULL_NODE_BYTES
+        self._bytes += FULL_NODE_BYTES + RESIDENT_NODE_BYTES
         return node
 
-    def _settle(self, key: BlockHash, node: Node) -> None:
-        """Record `node` in its segment again if it is back to a plain cache entry of one replica."""
+    def _settle(self, key: BlockHash, node: Node, hint: tuple[Segment | None, int]) -> tuple[Segment | None, int]:
+        """Record `node` in its segment again if it is back to a plain cache entry of one replica.
+
+        `hint`: a segment and where `key` likely is in it; returns where it was (`hint` if it was not settled).
+        """
         rmask = node.rmask
         if node.hmask or node.ends or not rmask or rmask & (rmask - 1):
-            return
+            return hint
         seg = self._by_index[rmask.bit_length() - 1].resident.pop(key, None)
         if seg is None:
-            return  # a hole
-        seg.refs[seg.position(key)] = node.rrefs
+            return hint  # a hole
+        position = seg.position(key, hint[1] if seg is hint[0] else -1)
+        seg.refs[position] = node.rrefs
         self._nodes[key] = seg
-        self._bytes -= FULL_NODE_BYTES
+        self._bytes -= FULL_NODE_BYTES + RESIDENT_NODE_BYTES
+        return seg, position
 
     # ----- reference counting on the node chains
 
@@ -189,7 +193,8 @@ class ChainIndex:
                 del nodes[key]
                 self._bytes -= NODE_BYTES + FULL_NODE_BYTES
             else:
-                self._settle(key, node)
+                seg, position = self._settle(key, node, hint)
+                hint = (seg, position - 1)  # the parent is likely the block before it in its segment
             key = node.parent
             direct = False
 

@@ -92,6 +92,7 @@ class HoldIndex(ChainIndex):
         index, bit = rep.index, rep.bit
         nodes = self._nodes
         created = 0
+        near: tuple[Segment | None, int] = (None, -1)  # where the child was found: the parent is likely before it
         i = depth - 1
         key: BlockHash | None = hashes[i * H : (i + 1) * H]
         while key is not None:
@@ -103,7 +104,8 @@ class HoldIndex(ChainIndex):
                 self._bytes += NODE_BYTES + FULL_NODE_BYTES
                 created += 1
             elif type(node) is Segment:
-                node = self._expand(key, node)
+                near = (node, node.position(key, near[1] - 1 if node is near[0] else -1))
+                node = self._expand(key, node, near[1])
             was_held = node.hmask & bit
             node.hrefs = add_ref(node.hrefs, node.hmask, index, 1)
             if was_held:

@@ -13,6 +13,7 @@ from kvtransfer.directory_index.holds import HoldIndex
 from kvtransfer.directory_index.records import (
     FULL_NODE_BYTES,
     NODE_BYTES,
+    RESIDENT_NODE_BYTES,
     SEGMENT_BLOCK_BYTES,
     SEGMENT_BYTES,
     HoldRecord,
@@ -279,6 +280,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
         expected_bytes = (
             len(nodes) * NODE_BYTES
             + full_nodes * FULL_NODE_BYTES
+            + sum(len(rep.resident) for rep in self._replicas.values()) * RESIDENT_NODE_BYTES
             + sum(h.nbytes for h in self._holds.values())
             + sum(SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * len(s.hashes) for s in self._lru.values() if type(s) is Segment)
         )

@@ -209,8 +209,8 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
 # in the entries table plus index space, at the table's load between one third and two thirds.
 _DICT_SLOT_BYTES = 56
 NODE_BYTES = alloc(b"\0" * HASH_BYTES) + _DICT_SLOT_BYTES  # every block: its hash and its slot in the directory
-# A block with a full Node: the Node, and (while resident) its slot in its replica's `resident`.
-FULL_NODE_BYTES = alloc(Node(None)) + _DICT_SLOT_BYTES
+FULL_NODE_BYTES = alloc(Node(None))  # a block with a full Node: the Node
+RESIDENT_NODE_BYTES = _DICT_SLOT_BYTES  # a full Node's entry in the `resident` of a replica that caches it
 HOLD_BYTES = alloc(HoldRecord(HoldId("", 0), 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
 PROMPT_END_BYTES = _DICT_SLOT_BYTES  # a hold's entry in the directory's prompt ends
 SEGMENT_BYTES = alloc(Segment(0, 0, None, None)) + alloc([]) + alloc(array("I")) + 2 * _DICT_SLOT_BYTES

@@ -13,6 +13,7 @@ from kvtransfer.directory_index.chains import ChainIndex
 from kvtransfer.directory_index.records import (
     FULL_NODE_BYTES,
     NODE_BYTES,
+    RESIDENT_NODE_BYTES,
     SEGMENT_BLOCK_BYTES,
     SEGMENT_BYTES,
     Node,
@@ -63,6 +64,7 @@ class ResidentIndex(ChainIndex):
         seg = Segment(self._next_chain_id, index, parent, self._segment_of(rep, parent))
         seg_hashes, seg_refs = seg.hashes, seg.refs
         stored, prev = 0, parent
+        near: tuple[Segment | None, int] = (None, -1)  # where the previous block was found: this one is likely next
         for key in hashes:
             node = nodes.get(key)
             if node is None:  # the common case: a new block, recorded in its segment alone
@@ -74,14 +76,20 @@ class ResidentIndex(ChainIndex):
                 self._resident_blocks += 1
                 rep.resident_count += 1
             else:
-                if self._parent_of(key, node) != prev:
+                if type(node) is Segment:
+                    position = node.position(key, near[1] + 1 if node is near[0] else -1)
+                    near = (node, position)
+                    parent_ok = node.parent_of(position) == prev
+                else:
+                    parent_ok = node.parent == prev
+                if not parent_ok:
                     break  # malformed op: this hash belongs to another chain
                 old = self._segment_of(rep, key)
                 if old is seg:
                     break  # malformed op: a hash repeats
                 if old is not None:  # stored again: the block moves to this segment with its references
                     if node is old:
-                        seg_refs.append(old.refs[old.position(key)])
+                        seg_refs.append(old.refs[position])
                         nodes[key] = seg
                     else:
                         seg_refs.append(0)
@@ -90,7 +98,7 @@ class ResidentIndex(ChainIndex):
                     self._unlink_segment_block(rep, old)
                 else:
                     if type(node) is Segment:
-                        node = self._expand(key, node)  # another replica's cache entry
+                        node = self._expand(key, node, position)  # another replica's cache entry
                     was_held = node.rmask & bit
                     node.rrefs = add_ref(node.rrefs, node.rmask, index, 1)
                     if was_held:
@@ -100,9 +108,10 @@ class ResidentIndex(ChainIndex):
                         node.mask = union(node.mask, bit)
                         self._add_child_ref(rep, prev, seg, len(seg_hashes) - 1)
                     rep.resident[key] = seg
+                    self._bytes += RESIDENT_NODE_BYTES
                     seg_hashes.append(key)
                     seg_refs.append(0)
-                    self._settle(key, node)
+                    self._settle(key, node, (seg, len(seg_hashes) - 1))
                     self._resident_blocks += 1
                     rep.resident_count += 1
             seg.live += 1
@@ -151,6 +160,7 @@ class ResidentIndex(ChainIndex):
         rep.resident_count -= 1
         if type(node) is not Segment:
             self._unlink_segment_block(rep, rep.resident.pop(key))
+            self._bytes -= RESIDENT_NODE_BYTES
             self._release(key, rep, resident=True)
             return
         seg = node
