@@ -173,9 +173,13 @@ class ChainIndex:
                 assert resident and not direct
                 node.refs[node.position(key, hint[1] if node is hint[0] else -1)] -= 1
                 return
+            # An int count is this replica's: it is in the mask, and an int means the mask holds one replica.
             if resident:
-                left = ref_count(node.rrefs, node.rmask, index) - 1
-                node.rrefs = add_ref(node.rrefs, node.rmask, index, -1)
+                if type(node.rrefs) is int:
+                    left = node.rrefs = node.rrefs - 1
+                else:
+                    left = ref_count(node.rrefs, node.rmask, index) - 1
+                    node.rrefs = add_ref(node.rrefs, node.rmask, index, -1)
                 if left:
                     if direct:
                         rep.holes.add(key)
@@ -183,8 +187,11 @@ class ChainIndex:
                 node.rmask = without(node.rmask, bit)
                 rep.holes.discard(key)
             else:
-                left = ref_count(node.hrefs, node.hmask, index) - 1
-                node.hrefs = add_ref(node.hrefs, node.hmask, index, -1)
+                if type(node.hrefs) is int:
+                    left = node.hrefs = node.hrefs - 1
+                else:
+                    left = ref_count(node.hrefs, node.hmask, index) - 1
+                    node.hrefs = add_ref(node.hrefs, node.hmask, index, -1)
                 if left:
                     return
                 node.hmask = without(node.hmask, bit)

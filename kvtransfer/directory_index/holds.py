@@ -106,11 +106,11 @@ class HoldIndex(ChainIndex):
             elif type(node) is Segment:
                 near = (node, node.position(key, near[1] - 1 if node is near[0] else -1))
                 node = self._expand(key, node, near[1])
-            was_held = node.hmask & bit
-            node.hrefs = add_ref(node.hrefs, node.hmask, index, 1)
-            if was_held:
+            hmask = node.hmask
+            node.hrefs = node.hrefs + 1 if hmask == bit else add_ref(node.hrefs, hmask, index, 1)
+            if hmask & bit:
                 break
-            node.hmask = union(node.hmask, bit)
+            node.hmask = union(hmask, bit)
             node.mask = union(node.mask, bit)
             key, i = parent, i - 1
         return created

@@ -87,6 +87,8 @@ def union(a: int, b: int) -> int:
 
 def without(mask: int, bit: int) -> int:
     """`mask` less `bit`, as a shared bit when one replica is left."""
+    if mask == bit:
+        return 0
     left = mask & ~bit
     return replica_bit(left.bit_length() - 1) if left and left & (left - 1) == 0 else left
 
