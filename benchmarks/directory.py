@@ -4,7 +4,10 @@
 
 Loads N conversations of B full blocks (plus a partial block) as exported holds, then looks up their next
 turn (hits) and unknown conversations (misses). Keys are hashed by the caller, as the planner does, and
-hashing is reported on its own. Memory per entry is measured with tracemalloc on a separate load. Ray calls
+hashing is reported on its own. Memory per entry is measured with tracemalloc on a separate load, and memory
+per block again on a load shaped like a fleet's (`fleet_memory`: conversations' blocks reported as each
+replica's prefix-cache store ops, as vLLM's KV events bring them, over `--replicas` replicas, with a pending hold
+for one conversation in 30; `benchmarks.control_plane` measures the same through the real actors). Ray calls
 go to the directory actor the app deploys (ingresses plan from their own mirror of it, so a lookup through Ray
 is not on the per-turn path); a no-op call on an identical actor gives the floor.
 """
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,8 @@ from typing import Any
 from actors.kv_directory import KVDirectoryActor
 from benchmarks.common import machine, write_result
 from kvtransfer.directory_index.index import KVDirectory
-from kvtransfer.prefix_key import PrefixKey, Scope
+from kvtransfer.directory_index.results import StoreResident
+from kvtransfer.prefix_key import PrefixKey, Scope, chain_hashes, scope_seed
 from kvtransfer.types import Hold, HoldId
 
 SCOPE = Scope("bench-model", "bench-tenant")
@@ -165,6 +170,75 @@ def bench_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> dict[st
     }
 
 
+def fleet_load(directory: KVDirectory, conversations: int, blocks: int, replicas: int, expires: float) -> None:
+    """Store `conversations` conversations of `blocks` full blocks, each on one of `replicas` replicas (round robin),
+    as vLLM's KV events report a prefill: two store ops (a chunked prefill's two steps); and record a pending hold for
+    every 30th (the turn's KV exported for a pull). Blocks are held by one replica each, as in a fleet of distinct
+    conversations. The ops' hashes are fresh objects, as when unpickled from an event batch."""
+    bs = directory.block_size
+    seed = scope_seed(SCOPE, bs)
+    half = blocks // 2
+    for i in range(conversations):
+        rng = random.Random(i)
+        tokens = [_TOKEN_POOL[t % VOCAB] for t in array("H", rng.randbytes(2 * (blocks * bs + bs // 2)))]
+        hashes = chain_hashes(seed, tokens, bs)
+        replica = f"replica-{i % replicas}"
+        ops = [StoreResident(None, tuple(hashes[:half])), StoreResident(hashes[half - 1], tuple(hashes[half:]))]
+        directory.apply_resident(replica, ops)
+        if i % 30 == 0:
+            key = PrefixKey.build(tokens, SCOPE, bs)
+            directory.record_hold(replica, key, kv_hold(i, blocks, len(tokens)), expires, prompt_tokens=blocks * bs)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_fleet_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> dict[str, Any]:
+    """Bytes per resident block of a fleet-shaped load: the process's RSS growth (as `benchmarks.control_plane`
+    measures the actors), then tracemalloc's count on a second load, by the line that allocated it."""
+    blocks_each = args.fleet_conversation_blocks
+    conversations = args.fleet_blocks // blocks_each
+    unbounded = {"max_entries": 10**9, "max_bytes": 2**62}
+    gc.collect()
+    before = rss_bytes()
+    directory = KVDirectory(args.block_size, **unbounded)
+    fleet_load(directory, conversations, blocks_each, args.replicas, time.time() + 3600)
+    gc.collect()
+    rss = rss_bytes() - before
+    stats = directory.stats()
+    gc_start = time.perf_counter()
+    gc.collect()  # what the directory's objects cost a full collection (a pause in the actor's event loop)
+    gc_ms = (time.perf_counter() - gc_start) * 1e3
+    del directory
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    directory = KVDirectory(args.block_size, **unbounded)
+    fleet_load(directory, conversations, blocks_each, args.replicas, time.time() + 3600)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    snapshot = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    blocks = stats.resident_blocks
+    by_line = {}
+    for stat in snapshot.statistics("lineno")[:12]:
+        frame = stat.traceback[0]
+        by_line[f"{Path(frame.filename).name}:{frame.lineno}"] = round(stat.size / blocks, 1)
+    return {
+        "fleet_replicas": args.replicas,
+        "fleet_blocks_per_conversation": blocks_each,
+        "fleet_blocks": blocks,
+        "fleet_holds": stats.holds,
+        "fleet_rss_bytes_per_block": round(rss / blocks, 1),
+        "fleet_traced_bytes_per_block": round(used / blocks, 1),
+        "fleet_accounted_bytes_per_block": round(stats.bytes / blocks, 1),
+        "fleet_gc_full_collection_ms": round(gc_ms, 1),
+        "fleet_traced_bytes_per_block_by_line": by_line,
+    }
+
+
 class NoopActor:
     """Same placement and call shape as the directory, no work: the Ray call's own floor on this box."""
 
@@ -264,12 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-lookups", type=int, default=3_000)
     parser.add_argument("--ray-records", type=int, default=2_000, help="records timed one by one via Ray")
     parser.add_argument("--new-turn-tokens", type=int, default=40)
-    parser.add_argument("--parts", default="inproc,memory,ray", help="comma-separated subset of inproc, memory, ray")
+    parser.add_argument("--fleet-blocks", type=int, default=1_000_000, help="resident blocks of the fleet-shaped load")
+    parser.add_argument("--fleet-conversation-blocks", type=int, default=120, help="full blocks per conversation there")
+    parser.add_argument("--replicas", type=int, default=64, help="replicas of the fleet-shaped load")
+    parser.add_argument(
+        "--parts", default="inproc,memory,fleet_memory,ray",
+        help="comma-separated subset of inproc, memory, fleet_memory, ray",
+    )
     parser.add_argument("--check", action="store_true", help="run check_integrity on the loaded directory")
     parser.add_argument("--quick", action="store_true", help="1,000 conversations, fewer calls")
     args = parser.parse_args(argv)
     if args.quick:
         args.conversations, args.lookups, args.ray_lookups, args.ray_records = 1_000, 20_000, 500, 300
+        args.fleet_blocks = 100_000
     # Each conversation: `blocks` full blocks plus half a block (a hold's last block is usually partial).
     args.tokens = args.blocks * args.block_size + args.block_size // 2
     args.query_hits = min(2_000, args.conversations)
@@ -286,13 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         "query_tokens": args.tokens + args.new_turn_tokens,
     }
     parts = set(args.parts.split(","))
-    for part, bench in (("inproc", bench_inproc), ("memory", bench_memory), ("ray", bench_ray)):
+    benches = {"inproc": bench_inproc, "memory": bench_memory, "fleet_memory": bench_fleet_memory, "ray": bench_ray}
+    for part, bench in benches.items():
         if part in parts:
             figures.update(bench(args, queries))
             gc.collect()
     figures["targets_met"] = {
         "lookup_inproc_ops_s>=100000": figures.get("lookup_inproc_ops_s", 0) >= 100_000,
         "lookup_ray_ms_p50<1": figures.get("lookup_ray_ms_p50", float("inf")) < 1.0,
+        "fleet_rss_bytes_per_block<=150": figures.get("fleet_rss_bytes_per_block", float("inf")) <= 150,
     }
     figures["machine"] = machine() | {
         "loadavg_before": [round(x, 2) for x in load_before],

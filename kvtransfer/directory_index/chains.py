@@ -12,7 +12,19 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtransfer.directory_index.records import NODE_BYTES, REF_BITS, REF_MASK, HoldRecord, Node, ReplicaRecord, Segment
+from kvtransfer.directory_index.records import (
+    FULL_NODE_BYTES,
+    NODE_BYTES,
+    RESIDENT_NODE_BYTES,
+    HoldRecord,
+    Node,
+    ReplicaRecord,
+    Segment,
+    add_ref,
+    ref_count,
+    union,
+    without,
+)
 from kvtransfer.prefix_key import HASH_BYTES, BlockHash, PrefixKey, Scope
 from kvtransfer.types import HoldId
 
@@ -28,8 +40,9 @@ DEFAULT_EXPIRY_MARGIN_S = 10.0
 class ChainIndex:
     """The directory's state: nodes, holds, cache segments, the LRU over both, replicas, counters.
 
-    Not thread-safe: one caller at a time. Two invariants hold between public calls: a node exists while some
-    replica holds it, and a replica that holds a node holds its parent.
+    Not thread-safe: one caller at a time. Three invariants hold between public calls: a node exists while some
+    replica holds it, a replica that holds a node holds its parent, and a block that is only one replica's cache
+    entry (no other replica, no hold, not a hole) has no `Node` but is recorded in its cache segment.
     """
 
     def __init__(
@@ -51,7 +64,9 @@ class ChainIndex:
         self.expiry_margin_s = expiry_margin_s
         self.epoch = uuid.uuid4().hex
         self._clock = clock
-        self._nodes: dict[BlockHash, Node] = {}
+        # Every block held by any replica: its full Node, or, for a block that is only one replica's cache entry,
+        # its cache segment (see `Segment`): one dict slot and one hash per block in the common case.
+        self._nodes: dict[BlockHash, Node | Segment] = {}
         self._holds: dict[HoldId, HoldRecord] = {}  # by the id the holder's replica minted
         # The block each pending hold's prompt ends at (`HoldRecord.prompt_end`), with how many holds end there.
         self._prompt_ends: dict[BlockHash, int] = {}
@@ -98,43 +113,95 @@ class ChainIndex:
         return rep
 
     def _forget_if_empty(self, rep: ReplicaRecord) -> None:
-        if self._replicas.get(rep.replica_id) is rep and not (rep.holds or rep.resident or rep.segments):
+        if self._replicas.get(rep.replica_id) is rep and not (rep.holds or rep.resident_count or rep.segments):
             del self._replicas[rep.replica_id]
             del self._by_index[rep.index]
 
-    # ----- reference counting on the node chains
+    # ----- blocks: plain cache entries and full nodes
 
-    def _new_node(self, key: BlockHash, parent: BlockHash | None) -> Node:
-        node = Node(parent)
+    def _segment_of(self, rep: ReplicaRecord, key: BlockHash | None) -> Segment | None:
+        """The segment `key` is resident in on `rep`; None if it is not resident there."""
+        value = self._nodes.get(key) if key is not None else None
+        if type(value) is Segment:
+            return value if value.replica == rep.index else None
+        return rep.resident.get(key) if value is not None else None
+
+    def _expand(self, key: BlockHash, seg: Segment, position: int) -> Node:
+        """Give a plain cache entry (`seg.hashes[position]`) a full Node: a second replica, a hold or a hole is
+        about to touch it."""
+        node = Node(seg.parent_of(position))
+        node.rmask = node.mask = seg.mask
+        node.rrefs = seg.refs[position]
+        self._by_index[seg.replica].resident[key] = seg
         self._nodes[key] = node
-        self._bytes += NODE_BYTES
+        self._bytes += FULL_NODE_BYTES + RESIDENT_NODE_BYTES
         return node
 
-    def _release(self, key: BlockHash | None, rep: ReplicaRecord, resident: bool) -> None:
-        """Drop one direct reference of `rep` on `key` and the references it implied on the ancestors."""
-        shift, bit = REF_BITS * rep.index, 1 << rep.index
-        one = 1 << shift
-        direct = True
+    def _settle(self, key: BlockHash, node: Node, hint: tuple[Segment | None, int]) -> tuple[Segment | None, int]:
+        """Record `node` in its segment again if it is back to a plain cache entry of one replica.
+
+        `hint`: a segment and where `key` likely is in it; returns where it was (`hint` if it was not settled).
+        """
+        rmask = node.rmask
+        if node.hmask or node.ends or not rmask or rmask & (rmask - 1):
+            return hint
+        seg = self._by_index[rmask.bit_length() - 1].resident.pop(key, None)
+        if seg is None:
+            return hint  # a hole
+        position = seg.position(key, hint[1] if seg is hint[0] else -1)
+        seg.refs[position] = node.rrefs
+        self._nodes[key] = seg
+        self._bytes -= FULL_NODE_BYTES + RESIDENT_NODE_BYTES
+        return seg, position
+
+    # ----- reference counting on the node chains
+
+    def _release(
+        self, key: BlockHash | None, rep: ReplicaRecord, resident: bool, direct: bool = True,
+        hint: tuple[Segment | None, int] = (None, -1),
+    ) -> None:
+        """Drop one direct reference of `rep` on `key` and the references it implied on the ancestors.
+
+        `direct` False: the reference dropped is a child's. `hint`: a segment and where `key` likely is in it.
+        """
+        index, bit = rep.index, rep.bit
+        nodes = self._nodes
         while key is not None:
-            node = self._nodes[key]
+            node = nodes[key]
+            if type(node) is Segment:
+                # A plain cache entry: only a resident child's reference can end here, and its flag keeps it.
+                assert resident and not direct
+                node.refs[node.position(key, hint[1] if node is hint[0] else -1)] -= 1
+                return
+            # An int count is this replica's: it is in the mask, and an int means the mask holds one replica.
             if resident:
-                node.rrefs -= one
-                if (node.rrefs >> shift) & REF_MASK:
+                if type(node.rrefs) is int:
+                    left = node.rrefs = node.rrefs - 1
+                else:
+                    left = ref_count(node.rrefs, node.rmask, index) - 1
+                    node.rrefs = add_ref(node.rrefs, node.rmask, index, -1)
+                if left:
                     if direct:
                         rep.holes.add(key)
                     return
-                node.rmask &= ~bit
-                node.mask = node.hmask | node.rmask
+                node.rmask = without(node.rmask, bit)
                 rep.holes.discard(key)
             else:
-                node.hrefs -= one
-                if (node.hrefs >> shift) & REF_MASK:
+                if type(node.hrefs) is int:
+                    left = node.hrefs = node.hrefs - 1
+                else:
+                    left = ref_count(node.hrefs, node.hmask, index) - 1
+                    node.hrefs = add_ref(node.hrefs, node.hmask, index, -1)
+                if left:
                     return
-                node.hmask &= ~bit
-                node.mask = node.hmask | node.rmask
+                node.hmask = without(node.hmask, bit)
+            node.mask = union(node.hmask, node.rmask)
             if not node.mask:
-                del self._nodes[key]
-                self._bytes -= NODE_BYTES
+                del nodes[key]
+                self._bytes -= NODE_BYTES + FULL_NODE_BYTES
+            else:
+                seg, position = self._settle(key, node, hint)
+                hint = (seg, position - 1)  # the parent is likely the block before it in its segment
             key = node.parent
             direct = False
 

@@ -13,15 +13,19 @@ from collections.abc import Sequence
 
 from kvtransfer.directory_index.chains import ChainIndex, H
 from kvtransfer.directory_index.records import (
+    FULL_NODE_BYTES,
     HOLD_BYTES,
+    NODE_BYTES,
     PROMPT_END_BYTES,
-    REF_BITS,
     HoldRecord,
     Node,
     ReplicaRecord,
+    Segment,
+    add_ref,
     alloc,
     deep_size,
     new_tuple,
+    union,
 )
 from kvtransfer.directory_index.results import RecordResult
 from kvtransfer.prefix_key import TOKEN_BYTES, BlockHash, PrefixKey, Scope
@@ -68,8 +72,9 @@ class HoldIndex(ChainIndex):
         record = HoldRecord(hold_id, rep.index, end, num_tokens, tail, hold, expires_at, nbytes, prompt_end)
         if prompt_end is not None:
             self._prompt_ends[prompt_end] = self._prompt_ends.get(prompt_end, 0) + 1
-        created = self._acquire_hold(key.hashes, full, rep.index)
+        created = self._acquire_hold(key.hashes, full, rep)
         node = self._nodes[end]
+        assert type(node) is Node  # a held block has a full Node
         if node.ends is None:
             node.ends = [record]
         else:
@@ -82,24 +87,31 @@ class HoldIndex(ChainIndex):
         evicted = self._enforce_bounds()
         return RecordResult(hold_id in self._holds, created, evicted)
 
-    def _acquire_hold(self, hashes: bytes, depth: int, index: int) -> int:
-        """One direct hold reference of replica `index` on the node at `depth`; returns nodes created."""
-        one, bit = 1 << (REF_BITS * index), 1 << index
+    def _acquire_hold(self, hashes: bytes, depth: int, rep: ReplicaRecord) -> int:
+        """One direct hold reference of `rep` on the node at `depth`; returns nodes created."""
+        index, bit = rep.index, rep.bit
+        nodes = self._nodes
         created = 0
+        near: tuple[Segment | None, int] = (None, -1)  # where the child was found: the parent is likely before it
         i = depth - 1
         key: BlockHash | None = hashes[i * H : (i + 1) * H]
         while key is not None:
             # One bytes object per hash: a new node's parent pointer is its new parent's dict key.
             parent = hashes[(i - 1) * H : i * H] if i else None
-            node = self._nodes.get(key)
+            node = nodes.get(key)
             if node is None:
-                node = self._new_node(key, parent)
+                node = nodes[key] = Node(parent)
+                self._bytes += NODE_BYTES + FULL_NODE_BYTES
                 created += 1
-            node.hrefs += one
-            if node.hmask & bit:
+            elif type(node) is Segment:
+                near = (node, node.position(key, near[1] - 1 if node is near[0] else -1))
+                node = self._expand(key, node, near[1])
+            hmask = node.hmask
+            node.hrefs = node.hrefs + 1 if hmask == bit else add_ref(node.hrefs, hmask, index, 1)
+            if hmask & bit:
                 break
-            node.hmask |= bit
-            node.mask |= bit
+            node.hmask = union(hmask, bit)
+            node.mask = union(node.mask, bit)
             key, i = parent, i - 1
         return created
 

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from kvtransfer.directory_index.chains import H
 from kvtransfer.directory_index.holds import HoldIndex
 from kvtransfer.directory_index.records import (
+    FULL_NODE_BYTES,
     NODE_BYTES,
-    REF_BITS,
-    REF_MASK,
-    RESIDENT_BYTES,
+    RESIDENT_NODE_BYTES,
+    SEGMENT_BLOCK_BYTES,
     SEGMENT_BYTES,
     HoldRecord,
     Node,
@@ -22,6 +22,8 @@ from kvtransfer.directory_index.records import (
     Segment,
     bits,
     new_tuple,
+    ref_count,
+    replica_bit,
 )
 from kvtransfer.directory_index.resident import ResidentIndex
 from kvtransfer.directory_index.results import DirectoryStats
@@ -30,8 +32,8 @@ from kvtransfer.types import HoldingKind, LookupResult, ReplicaMatch
 
 
 def _deepest_holding(
-    get: Callable[[BlockHash], Node | None], hashes: bytes, first: Node, hi: int, want: int
-) -> tuple[int, Node]:
+    get: Callable[[BlockHash], Node | Segment | None], hashes: bytes, first: Node | Segment, hi: int, want: int
+) -> tuple[int, Node | Segment]:
     """The deepest depth in [1, hi] (and its node) held by a replica in `want`; depth 1 is known held.
 
     Gallops down from `hi` before bisecting: a follow-up turn's history usually ends a block or two
@@ -117,8 +119,10 @@ class KVDirectory(HoldIndex, ResidentIndex):
                 matches.sort(key=_match_order)
         return new_tuple(LookupResult, (len(key.tokens) // TOKEN_BYTES, tuple(matches)))
 
-    def _match_replica(self, key: PrefixKey, rep: ReplicaRecord, deepest: Node, depth: int) -> ReplicaMatch | None:
-        hashes, bit = key.hashes, 1 << rep.index
+    def _match_replica(
+        self, key: PrefixKey, rep: ReplicaRecord, deepest: Node | Segment, depth: int
+    ) -> ReplicaMatch | None:
+        hashes, bit = key.hashes, rep.bit
         if deepest.hmask & bit:
             hold_depth = cached = depth
         else:
@@ -127,7 +131,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
                 cached = next((i for i in range(depth) if hashes[i * H : (i + 1) * H] in rep.holes), depth)
             hold_depth = self._deepest(hashes, depth - 1, bit) if rep.holds else 0
             cached = max(cached, hold_depth)
-            if cached and (seg := rep.resident.get(hashes[(cached - 1) * H : cached * H])) is not None:
+            if cached and (seg := self._segment_of(rep, hashes[(cached - 1) * H : cached * H])) is not None:
                 self._touch_segment(seg)
         offer = self._offer(key, rep, hold_depth, deepest if hold_depth == depth else None) if rep.holds else None
         cached_tokens = cached * self.block_size
@@ -192,64 +196,95 @@ class KVDirectory(HoldIndex, ResidentIndex):
 
     def check_integrity(self) -> None:
         """Recompute every derived field from the direct references and raise AssertionError on a mismatch."""
-        hold_refs: dict[tuple[BlockHash, int], int] = {}
-        res_refs: dict[tuple[BlockHash, int], int] = {}
-        for hold in self._holds.values():
-            node = self._nodes.get(hold.end)
-            assert node is not None and node.ends is not None and hold in node.ends, "hold not at its end"
-            assert hold.hold_id in self._by_index[hold.replica].holds
-            hold_refs[hold.end, hold.replica] = hold_refs.get((hold.end, hold.replica), 0) + 1
+        nodes = self._nodes
+        # Each block as a full record, whether it has a Node or is a plain cache entry recorded in its segment:
+        # (parent, hmask, hold counts, rmask, resident counts, ends), counts by replica index.
+        blocks: dict[BlockHash, tuple[BlockHash | None, int, dict[int, int], int, dict[int, int], list | None]] = {}
+        resident_on: dict[tuple[BlockHash, int], Segment] = {}
+        full_nodes = 0
+        for key, node in nodes.items():
+            if type(node) is Segment:
+                position = node.position(key)
+                assert node.live > 0 and self._lru.get(node.chain_id) is node, "plain entry in a dead segment"
+                assert node.mask is replica_bit(node.replica)
+                assert key not in self._by_index[node.replica].resident, "plain entry also kept as a full node"
+                blocks[key] = (node.parent_of(position), 0, {}, node.mask, {node.replica: node.refs[position]}, None)
+                resident_on[key, node.replica] = node
+                continue
+            full_nodes += 1
+            assert type(node) is Node
+            for refs, mask in ((node.hrefs, node.hmask), (node.rrefs, node.rmask)):
+                assert (type(refs) is dict) == (mask & (mask - 1) != 0), "refs not kept as the mask's shape asks"
+                assert type(refs) is not dict or set(refs) == set(bits(mask)), "refs of replicas off the mask"
+            hcounts = {i: ref_count(node.hrefs, node.hmask, i) for i in bits(node.hmask)}
+            rcounts = {i: ref_count(node.rrefs, node.rmask, i) for i in bits(node.rmask)}
+            blocks[key] = (node.parent, node.hmask, hcounts, node.rmask, rcounts, node.ends)
+            rmask = node.rmask
+            if not node.hmask and not node.ends and rmask and not rmask & (rmask - 1):
+                assert key not in self._by_index[rmask.bit_length() - 1].resident, "plain entry kept as a full node"
         for rep in self._replicas.values():
             assert self._by_index[rep.index] is rep
-            for key in rep.resident:
-                res_refs[key, rep.index] = 1
-        for key, node in self._nodes.items():
-            assert node.hmask or node.rmask, "empty node kept"
-            assert node.mask == node.hmask | node.rmask, "union mask out of step"
-            if node.parent is not None:
-                parent = self._nodes.get(node.parent)
-                assert parent is not None, "node without parent"
-                for index in bits(node.hmask):
-                    hold_refs[node.parent, index] = hold_refs.get((node.parent, index), 0) + 1
-                for index in bits(node.rmask):
-                    res_refs[node.parent, index] = res_refs.get((node.parent, index), 0) + 1
-            for hold in node.ends or ():
+            assert rep.bit is replica_bit(rep.index)
+            for key, seg in rep.resident.items():
+                assert type(nodes.get(key)) is Node, "full-node resident entry without a Node"
+                resident_on[key, rep.index] = seg
+        hold_refs: dict[tuple[BlockHash, int], int] = {}
+        res_refs: dict[tuple[BlockHash, int], int] = {key_index: 1 for key_index in resident_on}
+        for hold in self._holds.values():
+            block = blocks.get(hold.end)
+            assert block is not None and block[5] is not None and hold in block[5], "hold not at its end"
+            assert hold.hold_id in self._by_index[hold.replica].holds
+            hold_refs[hold.end, hold.replica] = hold_refs.get((hold.end, hold.replica), 0) + 1
+        for key, (parent, hmask, _, rmask, _, ends) in blocks.items():
+            node = nodes[key]
+            assert hmask or rmask, "empty node kept"
+            assert node.mask == hmask | rmask, "union mask out of step"
+            if parent is not None:
+                assert parent in nodes, "node without parent"
+                for index in bits(hmask):
+                    hold_refs[parent, index] = hold_refs.get((parent, index), 0) + 1
+                for index in bits(rmask):
+                    res_refs[parent, index] = res_refs.get((parent, index), 0) + 1
+            for hold in ends or ():
                 assert self._holds.get(hold.hold_id) is hold and hold.end == key
         top = max(self._by_index, default=-1) + 1
-        for key, node in self._nodes.items():
-            for index in range(max(node.hmask.bit_length(), node.rmask.bit_length(), top)):
-                shift, bit = REF_BITS * index, 1 << index
+        for key, (_, hmask, hcounts, rmask, rcounts, _) in blocks.items():
+            for index in range(max(hmask.bit_length(), rmask.bit_length(), top)):
+                bit = 1 << index
                 h = hold_refs.get((key, index), 0)
                 r = res_refs.get((key, index), 0)
-                assert (node.hrefs >> shift) & REF_MASK == h, f"hold refs of replica {index} wrong"
-                assert (node.rrefs >> shift) & REF_MASK == r, f"resident refs of replica {index} wrong"
-                assert bool(node.hmask & bit) == (h > 0) and bool(node.rmask & bit) == (r > 0)
+                assert hcounts.get(index, 0) == h, f"hold refs of replica {index} wrong"
+                assert rcounts.get(index, 0) == r, f"resident refs of replica {index} wrong"
+                assert bool(hmask & bit) == (h > 0) and bool(rmask & bit) == (r > 0)
                 if r > 0:
                     rep = self._by_index[index]
-                    assert (key in rep.holes) == (key not in rep.resident), "hole set wrong"
+                    assert (key in rep.holes) == ((key, index) not in resident_on), "hole set wrong"
         prompt_ends: dict[BlockHash, int] = {}
         for hold in self._holds.values():
             if hold.prompt_end is not None:
-                assert hold.prompt_end in self._nodes, "prompt end off the chains"
+                assert hold.prompt_end in nodes, "prompt end off the chains"
                 prompt_ends[hold.prompt_end] = prompt_ends.get(hold.prompt_end, 0) + 1
         assert prompt_ends == self._prompt_ends, "prompt ends out of step"
         live_segments = 0
         for rep in self._replicas.values():
             for key in rep.holes:
-                assert key in self._nodes and self._nodes[key].rmask & (1 << rep.index)
+                assert key in blocks and blocks[key][3] & rep.bit
             for chain_id in rep.segments:
                 seg = self._lru[chain_id]
                 assert isinstance(seg, Segment) and seg.replica == rep.index
-                assert seg.live == sum(1 for k in seg.hashes if rep.resident.get(k) is seg) > 0
+                assert len(seg.refs) == len(seg.hashes)
+                assert seg.live == sum(1 for k in seg.hashes if resident_on.get((k, rep.index)) is seg) > 0
                 live_segments += 1
+            assert rep.resident_count == sum(1 for _, index in resident_on if index == rep.index)
         assert len(self._lru) == len(self._holds) + live_segments, "LRU out of step"
         expected_bytes = (
-            len(self._nodes) * NODE_BYTES
+            len(nodes) * NODE_BYTES
+            + full_nodes * FULL_NODE_BYTES
+            + sum(len(rep.resident) for rep in self._replicas.values()) * RESIDENT_NODE_BYTES
             + sum(h.nbytes for h in self._holds.values())
-            + self._resident_blocks * RESIDENT_BYTES
-            + sum(SEGMENT_BYTES + 8 * len(s.hashes) for s in self._lru.values() if isinstance(s, Segment))
+            + sum(SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * len(s.hashes) for s in self._lru.values() if type(s) is Segment)
         )
         assert self._bytes == expected_bytes, f"bytes {self._bytes} != {expected_bytes}"
-        assert self._resident_blocks == sum(len(r.resident) for r in self._replicas.values())
-        assert len(self._nodes) <= self.max_entries or not self._lru
+        assert self._resident_blocks == len(resident_on)
+        assert len(nodes) <= self.max_entries or not self._lru
         assert self._bytes <= self.max_bytes or not self._lru

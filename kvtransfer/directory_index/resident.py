@@ -6,10 +6,22 @@ and a lookup that hits a segment marks it and its ancestors used.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 from kvtransfer.directory_index.chains import ChainIndex
-from kvtransfer.directory_index.records import REF_BITS, RESIDENT_BYTES, SEGMENT_BYTES, ReplicaRecord, Segment
+from kvtransfer.directory_index.records import (
+    FULL_NODE_BYTES,
+    NODE_BYTES,
+    RESIDENT_NODE_BYTES,
+    SEGMENT_BLOCK_BYTES,
+    SEGMENT_BYTES,
+    Node,
+    ReplicaRecord,
+    Segment,
+    add_ref,
+    union,
+)
 from kvtransfer.directory_index.results import ClearResident, RemoveResident, ResidentOp, ResidentResult, StoreResident
 from kvtransfer.prefix_key import BlockHash
 
@@ -28,11 +40,11 @@ class ResidentIndex(ChainIndex):
                 skipped += len(op.hashes) - ok
             elif isinstance(op, RemoveResident):
                 for key in op.hashes:
-                    if key in rep.resident:
+                    if self._segment_of(rep, key) is not None:
                         self._remove_resident(rep, key)
                         removed += 1
             elif isinstance(op, ClearResident):
-                removed += len(rep.resident)
+                removed += rep.resident_count
                 self._clear_resident(rep)
             else:
                 raise TypeError(f"unknown resident op {op!r}")
@@ -43,39 +55,65 @@ class ResidentIndex(ChainIndex):
         return ResidentResult(stored, removed, skipped, self.epoch)
 
     def _store_resident(self, rep: ReplicaRecord, parent: BlockHash | None, hashes: Sequence[BlockHash]) -> int:
-        shift, bit = REF_BITS * rep.index, 1 << rep.index
-        one = 1 << shift
+        index, bit = rep.index, rep.bit
+        nodes = self._nodes
         if parent is not None:
-            pnode = self._nodes.get(parent)
-            if pnode is None or not pnode.rmask & bit:
+            pnode = nodes.get(parent)
+            if pnode is None or not (pnode.mask if type(pnode) is Segment else pnode.rmask) & bit:
                 return 0  # the parent is unknown here (missed event, restart, eviction): cannot chain
-        seg = Segment(self._next_chain_id, rep.index, rep.resident.get(parent) if parent else None)
+        seg = Segment(self._next_chain_id, index, parent, self._segment_of(rep, parent))
+        seg_hashes, seg_refs = seg.hashes, seg.refs
         stored, prev = 0, parent
+        near: tuple[Segment | None, int] = (None, -1)  # where the previous block was found: this one is likely next
         for key in hashes:
-            node = self._nodes.get(key)
-            if node is not None and node.parent != prev:
-                break  # malformed op: this hash belongs to another chain
-            old = rep.resident.get(key)
-            if old is seg:
-                break  # malformed op: a hash repeats
-            if old is not None:
-                self._unlink_segment_block(rep, old)
-            else:
-                if node is None:
-                    node = self._new_node(key, prev)
-                node.rrefs += one
-                if node.rmask & bit:
-                    rep.holes.discard(key)  # the block is back in the cache
-                else:
-                    node.rmask |= bit
-                    node.mask |= bit
-                    assert prev is None or self._nodes[prev].rmask & bit
-                    if prev is not None:
-                        self._nodes[prev].rrefs += one
+            node = nodes.get(key)
+            if node is None:  # the common case: a new block, recorded in its segment alone
+                nodes[key] = seg
+                seg_hashes.append(key)
+                seg_refs.append(1)
+                self._bytes += NODE_BYTES
+                self._add_child_ref(rep, prev, seg, len(seg_hashes) - 2)
                 self._resident_blocks += 1
-                self._bytes += RESIDENT_BYTES
-            rep.resident[key] = seg
-            seg.hashes.append(key)
+                rep.resident_count += 1
+            else:
+                if type(node) is Segment:
+                    position = node.position(key, near[1] + 1 if node is near[0] else -1)
+                    near = (node, position)
+                    parent_ok = node.parent_of(position) == prev
+                else:
+                    parent_ok = node.parent == prev
+                if not parent_ok:
+                    break  # malformed op: this hash belongs to another chain
+                old = self._segment_of(rep, key)
+                if old is seg:
+                    break  # malformed op: a hash repeats
+                if old is not None:  # stored again: the block moves to this segment with its references
+                    if node is old:
+                        seg_refs.append(old.refs[position])
+                        nodes[key] = seg
+                    else:
+                        seg_refs.append(0)
+                        rep.resident[key] = seg
+                    seg_hashes.append(key)
+                    self._unlink_segment_block(rep, old)
+                else:
+                    if type(node) is Segment:
+                        node = self._expand(key, node, position)  # another replica's cache entry
+                    was_held = node.rmask & bit
+                    node.rrefs = add_ref(node.rrefs, node.rmask, index, 1)
+                    if was_held:
+                        rep.holes.discard(key)  # the block is back in the cache
+                    else:
+                        node.rmask = union(node.rmask, bit)
+                        node.mask = union(node.mask, bit)
+                        self._add_child_ref(rep, prev, seg, len(seg_hashes) - 1)
+                    rep.resident[key] = seg
+                    self._bytes += RESIDENT_NODE_BYTES
+                    seg_hashes.append(key)
+                    seg_refs.append(0)
+                    self._settle(key, node, (seg, len(seg_hashes) - 1))
+                    self._resident_blocks += 1
+                    rep.resident_count += 1
             seg.live += 1
             stored += 1
             prev = key
@@ -83,9 +121,20 @@ class ResidentIndex(ChainIndex):
             self._next_chain_id += 1
             self._lru[seg.chain_id] = seg
             rep.segments.add(seg.chain_id)
-            self._bytes += SEGMENT_BYTES + 8 * len(seg.hashes)
+            self._bytes += SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * len(seg_hashes)
             self._touch_segment(seg)
         return stored
+
+    def _add_child_ref(self, rep: ReplicaRecord, parent: BlockHash | None, seg: Segment, hint: int) -> None:
+        """`rep` now holds a child of `parent` in its cache (`hint`: where `parent` likely is in `seg`)."""
+        if parent is None:
+            return
+        node = self._nodes[parent]
+        if type(node) is Segment:
+            node.refs[node.position(parent, hint if node is seg else -1)] += 1
+        else:
+            assert node.rmask & rep.bit
+            node.rrefs = add_ref(node.rrefs, node.rmask, rep.index, 1)
 
     def _touch_segment(self, seg: Segment) -> None:
         """Mark a segment and its ancestors used, ancestors last: a chain is evicted from its tail."""
@@ -100,21 +149,43 @@ class ResidentIndex(ChainIndex):
         if seg.live == 0:
             del self._lru[seg.chain_id]
             rep.segments.discard(seg.chain_id)
-            self._bytes -= SEGMENT_BYTES + 8 * len(seg.hashes)
+            self._bytes -= SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * len(seg.hashes)
             seg.hashes = []  # children may still point at this segment; keep it small
+            seg.refs = array("I")
 
-    def _remove_resident(self, rep: ReplicaRecord, key: BlockHash) -> None:
-        seg = rep.resident.pop(key)
-        self._unlink_segment_block(rep, seg)
+    def _remove_resident(self, rep: ReplicaRecord, key: BlockHash, hint: int = -1) -> None:
+        """Drop `key` from `rep`'s cache (`hint`: where it likely is in its segment)."""
+        node = self._nodes[key]
         self._resident_blocks -= 1
-        self._bytes -= RESIDENT_BYTES
-        self._release(key, rep, resident=True)
+        rep.resident_count -= 1
+        if type(node) is not Segment:
+            self._unlink_segment_block(rep, rep.resident.pop(key))
+            self._bytes -= RESIDENT_NODE_BYTES
+            self._release(key, rep, resident=True)
+            return
+        seg = node
+        position = seg.position(key, hint)
+        parent, left = seg.parent_of(position), seg.refs[position] - 1
+        if left:  # the replica still holds children of it: a hole
+            hole = Node(parent)
+            hole.rmask = hole.mask = rep.bit
+            hole.rrefs = left
+            self._nodes[key] = hole
+            self._bytes += FULL_NODE_BYTES
+            rep.holes.add(key)
+        else:
+            del self._nodes[key]
+            self._bytes -= NODE_BYTES
+            self._release(parent, rep, resident=True, direct=False, hint=(seg, position - 1))
+        self._unlink_segment_block(rep, seg)
 
     def _evict_segment(self, seg: Segment) -> None:
         rep = self._by_index[seg.replica]
-        for key in reversed(seg.hashes):
-            if rep.resident.get(key) is seg:
-                self._remove_resident(rep, key)
+        hashes = seg.hashes
+        for position in range(len(hashes) - 1, -1, -1):
+            key = hashes[position]
+            if self._segment_of(rep, key) is seg:
+                self._remove_resident(rep, key, position)
         self._forget_if_empty(rep)
 
     def _clear_resident(self, rep: ReplicaRecord) -> None:
