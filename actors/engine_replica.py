@@ -136,6 +136,11 @@ class EngineReplica(ReportsLoad):
 
     # ----------------------------------------------------------------------------- serving
 
+    def _finish_calls_engine(self, out: Any, request: GenerateRequest) -> bool:
+        """Whether finishing `request` waits on its engine: for the digests of the hold it exports, or for the verdict
+        on what it pulled (both only with `nixl.verify_pulls`)."""
+        return self.config.nixl.verify_pulls and (bool(out.kv_transfer_params) or request.pull is not None)
+
     def _sampling_params(self, request: GenerateRequest) -> Any:
         """The request's SamplingParams as this replica runs them: deltas out, and the KV transfer it makes."""
         from vllm.sampling_params import RequestOutputKind
@@ -242,6 +247,13 @@ class EngineReplica(ReportsLoad):
                 if out.finished:
                     if out.kv_transfer_params and self._hold_stepper is not None:
                         self._hold_stepper.hold_exported()
+                    if delta.token_ids and self._finish_calls_engine(out, request):
+                        # The last tokens go out before the engine calls below (each waits for the engine's next
+                        # step: 5-40 ms beside a busy engine on CPU), so a one-token turn's first token is not
+                        # delayed by them. A pull whose read was refused produced no token, so nothing streamed
+                        # here came from unverified KV.
+                        yield delta
+                        delta = GenerateDelta(token_ids=[], text="", replica_id=self.replica_id)
                     delta.finished = True
                     delta.finish_reason = completion_out.finish_reason
                     delta.prompt_tokens = prompt_tokens

@@ -67,6 +67,6 @@ class Feedback:
         planned = force is None or turn.calibration
         if (planned and not outcome.migrations and not outcome.pull_failed and outcome.ttft_ms is not None
                 and (pull is not None or not reads_hold(plan))):
-            self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms)
+            self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, outcome.ttft_ms, plan.busy_target)
             return True
         return False

@@ -187,7 +187,11 @@ class TurnRunner:
                 outcome.plan, outcome.pull_failed = plan, False
             self.counters[f"plans_{plan.mode.value}"] += 1
             try:
-                pull = await self.holds.take(rest, plan) if reads_hold(plan) else None
+                pull = None
+                if reads_hold(plan):
+                    taking = time.monotonic()
+                    pull = await self.holds.take(rest, plan)
+                    self.cost.observe_take_hold((time.monotonic() - taking) * 1e3)
                 sent_before = len(rest.token_ids) - len(turn.token_ids)  # streamed by replicas that died
                 async for delta in self._execute(rest, plan, pull, outcome, started, force):
                     if delta.finished and sent_before:

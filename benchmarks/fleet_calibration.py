@@ -2,7 +2,8 @@
 
 The same forced turns in the same order: NIXL's first pull each way between two replicas (the handshake, then
 forgotten as a transfer sample), a recompute, a pull and a local follow-up per length, then prefills alone and
-beside a replica decoding CONTENTION_STREAMS long turns. They seed the cost model's fits and its estimate error.
+beside a replica decoding CONTENTION_STREAMS long turns, and short prefills on that replica meanwhile. They seed
+the cost model's fits and its estimate error.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from typing import TYPE_CHECKING
 
 from benchmarks.fleet_turns import LiveConversation
 from benchmarks.fleet_workloads import Conversation, Turn
-from kvtransfer.calibration import CALIBRATION_TENANT, CONTENTION_LENGTHS, CONTENTION_START_S, CONTENTION_STREAMS
+from kvtransfer.calibration import (
+    CALIBRATION_TENANT,
+    CONTENTION_LENGTHS,
+    CONTENTION_START_S,
+    CONTENTION_STREAMS,
+    ON_BUSY_LENGTHS,
+)
 from kvtransfer.options import Mode
 
 if TYPE_CHECKING:
@@ -63,4 +70,6 @@ def calibrate(fleet: Fleet) -> None:
     fleet.run_until_idle(fleet.now + CONTENTION_START_S)
     for n in lengths:
         forced(conversation(n), Mode.RECOMPUTE, ids[0])
+    for n in ON_BUSY_LENGTHS:
+        forced(conversation(n), Mode.RECOMPUTE, ids[1])
     fleet.run_until_idle(done=lambda: len(streams) == CONTENTION_STREAMS)

@@ -240,7 +240,7 @@ class Fleet:
         plan, engine = t.plan, self.by_id[t.plan.replica_id]
         planned = not t.forced or t.live.conv.calibration
         if planned and not (reads_hold(plan) and r.pulled_tokens == 0):
-            self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, ttft)
+            self.cost.error.observe(plan.mode, plan.busy_peers, plan.model_ms, ttft, plan.busy_target)
         if r.ran_alone and r.prefill_started_at is not None:
             busy = self._busy_peers(engine)
             self.cost.observe_prefill(r.prompt_len - r.reused_tokens, r.reused_tokens,

@@ -26,6 +26,9 @@ CONTENTION_LENGTHS = (256, 512, 1024)
 CONTENTION_START_S = 0.5
 # Conversations the busy engine decodes meanwhile (`contention`).
 CONTENTION_STREAMS = 4
+# Prefills timed on the busy engine itself meanwhile, so that turns on a busy engine have measured estimate errors
+# from the start (`EstimateError`: MIN_SAMPLES of them): short ones, as most later turns are.
+ON_BUSY_LENGTHS = (64, 128, 256) * 3
 
 
 class TurnResultLike(Protocol):
@@ -109,19 +112,23 @@ async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Ra
     where prefills timed beside a decoding engine take 1.13-1.30x as long end to end
     (`benchmarks.contention`, contention.json) and two engines serving at once each run 1.29x slower (scaling.json).
     Four decoding streams: a multi-turn load keeps a few conversations on each engine, and beside one stream a
-    256-token prefill measured 1.13x against 1.30x beside four there."""
-    async def prefills() -> None:
-        for n in lengths * 2:
-            await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", measured),
+    256-token prefill measured 1.13x against 1.30x beside four there.
+
+    Then, still under that load, short prefills on `busy` itself (ON_BUSY_LENGTHS): what a turn on a busy engine
+    misses its estimate by is its own kind of error where engines share a node's CPUs."""
+    async def prefills(target: str, prefill_lengths: list[int]) -> None:
+        for n in prefill_lengths:
+            await run_turn([rng.randrange(100, vocab) for _ in range(n)], ONE_TOKEN, ("recompute", target),
                            tenant=CALIBRATION_TENANT)
 
-    await prefills()
+    await prefills(measured, lengths * 2)
     background = [asyncio.ensure_future(run_turn(
         [rng.randrange(100, vocab) for _ in range(64)], {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True},
         ("recompute", busy), tenant=CALIBRATION_TENANT)) for _ in range(CONTENTION_STREAMS)]
     try:
         # The background turns are in flight (the runner counts them) and past their short prefills, decoding.
         await asyncio.sleep(CONTENTION_START_S)
-        await prefills()
+        await prefills(measured, lengths * 2)
+        await prefills(busy, list(ON_BUSY_LENGTHS))
     finally:
         await asyncio.gather(*background)

@@ -92,6 +92,10 @@ class CostModel:
         self.typical_wait = TypicalWait()
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
         self.handshake_ms = 0.0
+        # Taking a hold from the KV directory before the turn that reads it is sent (a call to the directory's actor,
+        # which makes the hold this turn's alone): a moving average of measured takes, 0 until one is measured.
+        self.take_hold_ms = 0.0
+        self._take_samples = 0
         # Per replica: recent measured / fleet-estimated prefill ratios, and their median once there are enough.
         self._speed_ratios: dict[str, deque[float]] = {}
         self._speed: dict[str, float] = {}
@@ -239,6 +243,13 @@ class CostModel:
             weight = 0.2 if self._decode_samples > 1 else 1.0  # the first measurement replaces the prior
             self.decode_step_ms = (1 - weight) * self.decode_step_ms + weight * step_ms
 
+    def observe_take_hold(self, ms: float) -> None:
+        """A hold taken from the directory in `ms` before its turn was sent (mutates the moving average)."""
+        if ms >= 0:
+            self._take_samples += 1
+            weight = 0.2 if self._take_samples > 1 else 1.0
+            self.take_hold_ms = (1 - weight) * self.take_hold_ms + weight * ms
+
     def observe_pull(self, num_tokens: int, ms: float, holder_busy: bool = False) -> None:
         """`ms`: how long a pulling request waited for the KV of `num_tokens` tokens (mutates). From a holder idle
         when the pull was planned it teaches the link fit; from a busy one, the holder-load fit, with what it took
@@ -273,6 +284,7 @@ class CostModel:
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.workload.typical_output_tokens,
             "handshake_ms": self.handshake_ms,
+            "take_hold_ms": round(self.take_hold_ms, 2),
             "continuation_share": round(self.workload.continuation_share, 3),
             "expected_future_turns": round(self.workload.expected_future_turns(), 2),
             "expected_future_turns_after_first": round(self.workload.expected_future_turns(0), 2),

@@ -61,6 +61,13 @@ def contending_peers(replica: ReplicaView, cost: CostModel) -> int:
     return replica.busy_peers if cost.shared_compute else 0
 
 
+def busy_target(replica: ReplicaView, cost: CostModel) -> bool:
+    """Whether a turn on `replica` runs on a busy engine whose node's engines share compute: such turns keep an
+    estimate error of their own (`EstimateError`), for the busy engine's processes take the CPU their prefill needs.
+    Where each engine has its own GPU, a prefill batched with decodes is what the fits and the queue price."""
+    return cost.shared_compute and not replica.idle
+
+
 def fastest(options: Sequence[Option], preferred_replica: str | None, rotation: int = 0) -> Option:
     """The option with the lowest cost; within 2% and STAY_MARGIN_MS of it, the preferred replica's (replicas'
     measured speeds differ by a few percent, and a short turn's estimates by a few milliseconds of noise). Of options

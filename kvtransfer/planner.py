@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import ReplicaView
-from kvtransfer.options import Mode, Option, contending_peers, fastest
+from kvtransfer.options import Mode, Option, busy_target, contending_peers, fastest
 from kvtransfer.policies import DEFAULT_POLICY, PlacementPolicy, PolicyContext, get_policy
 from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
 
@@ -59,6 +59,8 @@ class Plan(NamedTuple):
     superseded: tuple[HoldOffer, ...] = ()
     # Busy engines beside the target on its node when planned (what its timings are measured under).
     busy_peers: int = 0
+    # Whether the target was busy when planned, on a node whose engines share compute (`options.busy_target`).
+    busy_target: bool = False
     # The chosen option's estimate before correction by the planner's measured error.
     model_ms: float = 0.0
     # The delay the chosen option imposes on other requests' first tokens (on its target or beside it).
@@ -108,15 +110,16 @@ def _options(
         # A first turn founds the conversation's home: its later turns will wait there what turns typically wait
         # (a later turn's move is the stay rule's: a transient queue would move it off a holder about to be idle).
         later = impact.future * cost.typical_wait.marginal_ms(replica.replica_id) if turn_index == 0 else 0.0
-        contending, impact_ms = contending_peers(replica, cost), impact.on(replica)
+        contending, on_busy, impact_ms = contending_peers(replica, cost), busy_target(replica, cost), impact.on(replica)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
         for reused in (cached, own) if own > cached else (cached,):
             compute = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
-            ms = queue + compute + (_read_wait_ms(replica, cost) if reused > cached else 0.0)
+            ms = queue + compute + (cost.take_hold_ms + _read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
-                                  cost.error.corrected(mode, contending, ms), own_hold, ms, impact_ms(compute), later))
+                                  cost.error.corrected(mode, contending, ms, on_busy), own_hold, ms, impact_ms(compute),
+                                  later))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -125,9 +128,10 @@ def _options(
             if met is not None and (replica.replica_id, hold.replica_id) not in met:
                 transfer += cost.handshake_ms  # the target's first pull from this holder
             rest = cost.recompute_ms(num_tokens - reused, reused, replica.busy_peers, replica.replica_id)
-            ms = queue + _read_wait_ms(replica, cost) + transfer + rest
+            ms = queue + cost.take_hold_ms + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  cost.error.corrected(Mode.PULL, contending, ms), hold, ms, impact_ms(rest), later))
+                                  cost.error.corrected(Mode.PULL, contending, ms, on_busy), hold, ms, impact_ms(rest),
+                                  later))
     return options
 
 
@@ -282,6 +286,7 @@ def plan_turn(
     if policy.name != DEFAULT_POLICY and force is None:
         reason = f"{policy.name} policy: {reason}"
     logger.debug("plan for %d tokens: %s (%s)", num_tokens, chosen, reason)
+    target = next(r for r in replicas if r.replica_id == chosen.replica_id)
     return Plan(
         replica_id=chosen.replica_id,
         mode=chosen.mode,
@@ -296,7 +301,8 @@ def plan_turn(
             m.hold for m in lookup.matches
             if m.hold is not None and not (reads_hold(chosen) and m.hold.hold_id == chosen.hold.hold_id)
         ),
-        busy_peers=next(contending_peers(r, cost) for r in replicas if r.replica_id == chosen.replica_id),
+        busy_peers=contending_peers(target, cost),
+        busy_target=busy_target(target, cost),
         model_ms=round(chosen.model_ms, 2),
         impact_ms=round(chosen.impact_ms, 2),
         turn_index=turn_index,

@@ -58,6 +58,9 @@ def test_a_pull_reads_its_holders_very_bytes_and_one_that_differs_is_refused(loo
     assert digests and all(region for region in digests[0]), "the holder took a digest of every block"
     pulled = generate(loop_thread, puller, follow_up, pull=hold)
     assert pulled[-1].read_check == "verified" and pulled[-1].num_cached_tokens == hold.num_tokens
+    # Every token was streamed before the verdict and the new hold's digests were collected from the engine: the
+    # finishing delta carries only them (a one-token turn's first token waits for neither).
+    assert tokens(pulled[:-1]) and not tokens(pulled[-1:]) and pulled[-1].hold is not None
     scratch = generate(loop_thread, puller, follow_up, own_kv_only=True)
     assert tokens(pulled) == tokens(scratch)
 

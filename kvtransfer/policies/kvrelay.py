@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtransfer.cost_model import CostModel
-from kvtransfer.options import STAY_MARGIN_MS, Mode, Option, contending_peers, fastest
+from kvtransfer.options import STAY_MARGIN_MS, Mode, Option, busy_target, contending_peers, fastest
 from kvtransfer.policies.base import PlacementPolicy, PolicyContext, register
 
 # A turn leaves the replica that caches most of its history only for an option estimated at least this much
@@ -27,12 +27,13 @@ class KvrelayPolicy(PlacementPolicy):
         # conversations share (a system prompt), which any replica can compute once and then keep.
         if context.turn_index == 0:
             return best
-        peers = {r.replica_id: contending_peers(r, context.cost) for r in context.replicas}
-        return stay_unless_clearly_faster(options, best, context.cost, peers)
+        situations = {r.replica_id: (contending_peers(r, context.cost), busy_target(r, context.cost))
+                      for r in context.replicas}
+        return stay_unless_clearly_faster(options, best, context.cost, situations)
 
 
 def stay_unless_clearly_faster(
-    options: Sequence[Option], best: Option, cost: CostModel, busy_peers: dict[str, int]
+    options: Sequence[Option], best: Option, cost: CostModel, situations: dict[str, tuple[int, bool]]
 ) -> Option:
     """`best` (the cheapest option, by `fastest`), unless it leaves the replica caching the longest part of the
     history, or pulls onto it what it could compute from its own cache, without costing at least STAY_MARGIN and
@@ -51,15 +52,16 @@ def stay_unless_clearly_faster(
     stay = min((o for o in stays if o.replica_id in homes), key=lambda o: o.cost_ms)
     if best.replica_id == stay.replica_id and best.mode is not Mode.PULL:
         return best
-    noise = departure_noise_ms(stay, best, cost, busy_peers)
+    noise = departure_noise_ms(stay, best, cost, situations)
     if best.cost_ms <= stay.cost_ms * (1 - STAY_MARGIN) - STAY_MARGIN_MS - noise:
         return best
     return stay
 
 
-def departure_noise_ms(stay: Option, move: Option, cost: CostModel, busy_peers: dict[str, int]) -> float:
+def departure_noise_ms(stay: Option, move: Option, cost: CostModel, situations: dict[str, tuple[int, bool]]) -> float:
     """How much of a move's estimated gain over staying could be the estimates' own error: the two kinds' measured
-    uncertainties (`EstimateError.uncertainty_ms`), combined as independent errors."""
-    u_stay = cost.error.uncertainty_ms(stay.mode, busy_peers.get(stay.replica_id, 0))
-    u_move = cost.error.uncertainty_ms(move.mode, busy_peers.get(move.replica_id, 0))
+    uncertainties (`EstimateError.uncertainty_ms`; a replica's situation: its contending busy peers, and whether it
+    is a busy target), combined as independent errors."""
+    u_stay = cost.error.uncertainty_ms(stay.mode, *situations.get(stay.replica_id, (0, False)))
+    u_move = cost.error.uncertainty_ms(move.mode, *situations.get(move.replica_id, (0, False)))
     return (u_stay**2 + u_move**2) ** 0.5
