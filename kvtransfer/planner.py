@@ -254,7 +254,7 @@ def plan_turn(
     weigh: kvrelay's lets the preferred replica win near-ties (2% and 5 ms), so equal options keep affinity; session
     affinity runs the turn there; round robin walks the replicas by `rotation`.
     `force` = (mode, replica) restricts the choice to that pair, whatever the policy (tests and benchmarks measure
-    every option); its estimates still cover every option. Raises ValueError if the forced option does not exist.
+    every option), reusing all it can there; its estimates still cover every option. Raises ValueError if the forced option does not exist.
     `targets` limits where the turn may run (a prefill pool, a benchmark's "off the holder" question);
     holds on any live replica can still be pulled.
     """
@@ -274,6 +274,9 @@ def plan_turn(
             o.mode is mode or (mode is Mode.RECOMPUTE and o.mode is not Mode.PULL))]
         if not candidates:
             raise ValueError(f"no {mode.value} option on replica {replica_id} for this turn")
+        if mode is not Mode.RECOMPUTE:  # the mode itself, as far as it goes: a hold's last partial block too
+            most = max(o.reused_tokens for o in candidates)
+            candidates = [o for o in candidates if o.reused_tokens == most]
         chosen = fastest(candidates, preferred_replica, rotation)
         if mode is Mode.RECOMPUTE:
             chosen = chosen._replace(mode=Mode.RECOMPUTE, reused_tokens=0, cached_tokens=0, hold=None)

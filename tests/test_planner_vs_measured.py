@@ -7,10 +7,14 @@ the history over NIXL (`pull`) and computing all of it (`recompute`). The planne
 before the turn runs, where it would run the turn (any replica) and how it would run it off the holder (a holder
 that drains, a prefill pool elsewhere: pull or recompute, the crossover its fits exist for).
 
-The bound: the option the planner picks measures within 15% of the fastest option measured, or within 5 ms of it.
-The 5 ms is the planner's own tie (`STAY_MARGIN_MS`: options that close are equal to it, and the stay margin keeps
-a turn on its holder within 10% and 5 ms): on tiny-llama a short turn's first token comes in 20-30 ms, where 15% is
-less than the spread between repetitions of the same forced turn on this 2-core machine.
+The bound: the option the planner picks measures within 15% of the fastest option measured, or within 5 ms of it,
+or no slower than the fastest option's own slowest repetition. The 5 ms is the planner's own tie (`STAY_MARGIN_MS`:
+options that close are equal to it, and the stay margin keeps a turn on its holder within 10% and 5 ms): on
+tiny-llama a short turn's first token comes in 20-30 ms, where 15% is less than the spread between repetitions of the
+same forced turn on this 2-core machine. And where the fastest option's repetitions spread over the pick's time, the
+two are not told apart here: of two options a few percent apart in estimate, which measures faster changes from run
+to run (a 256-token history pulled from a busy holder against 512 tokens recomputed: 149 against 203 ms in one run,
+201 against 170 in the next).
 """
 
 from __future__ import annotations
@@ -95,9 +99,12 @@ class Measured:
                 f"estimates {estimates}")
 
 
-def within_bound(ttft_ms: dict[str, float], pick: str, among: tuple[str, ...]) -> bool:
-    best = min(ttft_ms[m] for m in among)
-    return pick in among and ttft_ms[pick] <= max(best * (1 + TOLERANCE), best + TOLERANCE_MS)
+def within_bound(m: Measured, pick: str, among: tuple[str, ...]) -> bool:
+    if pick not in among:
+        return False
+    fastest = min(among, key=lambda option: m.ttft_ms[option])
+    best = m.ttft_ms[fastest]
+    return m.ttft_ms[pick] <= max(best * (1 + TOLERANCE), best + TOLERANCE_MS, max(m.samples_ms[fastest]))
 
 
 def option_name(mode: str, replica: str, holder: str, other: str) -> str:
@@ -205,6 +212,10 @@ def measured(tiny_app: ServedApp) -> list[Measured]:
     replicas = tiny_app.replica_ids(2)
     wait_for_unpinned_caches(tiny_app, 2 * TINY_ENGINE["nixl"]["hold_ttl_s"])
     rng = random.Random("planner vs measured")  # the apps are shared: histories no other test sends
+    # Each replica pulls from the other once first: a replica started by an earlier test (one that kills replicas)
+    # has not met the other yet, and its first pull from it pays NIXL's handshake, which the planner prices.
+    for holder, puller in (replicas, replicas[::-1]):
+        forced_ttft_ms(tiny_app, held_turn(tiny_app, holder, Case(64, 32), rng), "pull", puller, rng)
     results = []
     for i, case in enumerate(CASES):
         holder, other = replicas[i % 2], replicas[(i + 1) % 2]  # neither replica's core lands on one role
@@ -220,9 +231,9 @@ def test_the_planners_pick_is_within_15_percent_of_the_fastest_measured_option(m
     long_idle = next(m for m in measured if m.case.history >= 1024 and m.case.busy is None)
     assert long_idle.ttft_ms["recompute"] > 1.5 * min(long_idle.ttft_ms["local"], long_idle.ttft_ms["pull"]), table
     misses = [f"{m.case}: picked {pick}" for m in measured for pick in set(m.picks)
-              if not within_bound(m.ttft_ms, pick, ("local", "pull", "recompute"))]
+              if not within_bound(m, pick, ("local", "pull", "recompute"))]
     misses += [f"{m.case}: picked {pick} off the holder" for m in measured for pick in set(m.picks_off_holder)
-               if not within_bound(m.ttft_ms, pick, OFF_HOLDER)]
+               if not within_bound(m, pick, OFF_HOLDER)]
     assert not misses, "\n".join(misses) + "\n" + table
 
 
@@ -286,9 +297,9 @@ def misses(m: Measured, cost: CostModel) -> list[str]:
     """The questions of case `m` (any replica, off the holder) whose pick by the pure planner misses the bound."""
     anywhere, off_holder = planned_here(m, cost)
     out = []
-    if not within_bound(m.ttft_ms, anywhere, ("local", "pull", "recompute")):
+    if not within_bound(m, anywhere, ("local", "pull", "recompute")):
         out.append(f"{m.case}: {anywhere}")
-    if not within_bound(m.ttft_ms, off_holder, OFF_HOLDER):
+    if not within_bound(m, off_holder, OFF_HOLDER):
         out.append(f"{m.case}: {off_holder} off the holder")
     return out
 
