@@ -254,7 +254,8 @@ def plan_turn(
     weigh: kvrelay's lets the preferred replica win near-ties (2% and 5 ms), so equal options keep affinity; session
     affinity runs the turn there; round robin walks the replicas by `rotation`.
     `force` = (mode, replica) restricts the choice to that pair, whatever the policy (tests and benchmarks measure
-    every option), reusing all it can there; its estimates still cover every option. Raises ValueError if the forced option does not exist.
+    every option), reusing all it can there; its estimates still cover every option. Raises ValueError if the forced
+    option does not exist.
     `targets` limits where the turn may run (a prefill pool, a benchmark's "off the holder" question);
     holds on any live replica can still be pulled.
     """
