@@ -3,7 +3,7 @@
 All are linear models fitted online by least squares over the most recent observations:
 
     recompute_ms(k new tokens after c cached ones) = a + b*k + d*k*(c + k/2)      (attention grows with context)
-    pull_ms(bytes, holder busy or not)             = fixed + bytes / bandwidth + busy * (h0 + h1*bytes)
+    pull_ms(bytes, holder busy or not)             = fixed + bytes / bandwidth + busy * max(0, h0 + h1*bytes)
     slowdown(p busy peers on the same node)        = 1 + s*p                          (shared CPUs, memory bandwidth)
 
 The same s prices the other side of contention: an idle engine that starts a turn slows each request in flight
@@ -19,10 +19,17 @@ per node (nodes differ: cores, memory bandwidth, how many engines share them), t
 a node until it has MIN_NODE_SAMPLES of its own.
 
 The holder's part of a pull: the link fit (fixed + bytes / bandwidth) learns from pulls whose holder was idle when
-planned, and the holder-load fit (h0 + h1*bytes, `holder_load`) from pulls whose holder was busy, as what they took
-beyond the link fit. Where the holder serves the read with its own CPU (NIXL over TCP or shared memory on CPU
-replicas) a busy holder answers later; with RDMA the holder's NIC serves it and the term learns to about 0. Its prior
-is 0: until a pull from a busy holder is observed, a pull is priced as the link fit alone.
+planned, and a second fit of the same form (`busy_holder_pull`) from pulls whose holder was busy; the holder-load term
+(h0 + h1*bytes, `holder_load` in the snapshot) is how much longer the second fit says they take, never below 0. Where
+the holder serves the read with its own CPU (NIXL over TCP or shared memory on CPU replicas) a busy holder answers
+later; with RDMA the holder's NIC serves it and the term comes out about 0. Until a fit has measured pulls of its own,
+the other stands in for it: until a pull from a busy holder is observed, such a pull is priced by the link fit; where
+only busy holders were measured, their pulls are all that says what a pull costs. In P/D with one prefill replica the
+start-up calibration measures no pull and every holder is a decode replica, busy: learned only as what they took
+beyond a link fit still at its prior (1 GB/s), those pulls left a 10k-token pull of a 70B model priced at 3.3 s
+instead of 0.19 until two pulls happened to find the decoder idle, and the planner recomputed meanwhile (modelled,
+`benchmarks.fleet --workload pr32553 --topology disaggregated --replicas 2`: 163 pulls of 367 turns and TTFT p50 402 ms,
+against 341 and 246 ms with the fit of their own).
 
 On top of the fits, the planner's own error: measured minus estimated time to first token per kind of option
 (mode, and whether other engines on the node were busy), from the turns it ran; each kind's estimates get the
@@ -76,7 +83,7 @@ class CostModel:
         self.shared_compute = shared_compute
         self.prefill = OnlineLinearFit(("overhead_ms", "ms_per_token", "ms_per_ktoken_ctx"), self.PRIOR_PREFILL, window)
         self.pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
-        self.holder_load = OnlineLinearFit(("busy_holder_ms", "busy_holder_ms_per_byte"), (0.0, 0.0), window)
+        self.busy_holder_pull = OnlineLinearFit(("fixed_ms", "ms_per_byte"), self.PRIOR_PULL, window)
         self._window = window
         self.contention = self._contention_fit()
         # Each node's own slowdown fit, and each replica's node (`set_nodes`).
@@ -150,12 +157,20 @@ class CostModel:
 
     def pull_ms(self, num_tokens: int, holder: ReplicaView | None = None) -> float:
         """Transfer the KV of `num_tokens` tokens from `holder` (its view when planned; None: an idle one): the link's
-        fixed handover part + bytes / bandwidth, and from a busy holder what reads from busy holders took beyond it."""
+        fixed handover part + bytes / bandwidth, and from a busy holder what reads from busy holders took, where that
+        is longer. Each kind of holder is priced by the other's fit until its own has measured pulls."""
         features = (1.0, float(self.kv_bytes(num_tokens)))
-        link = max(0.0, self.pull.predict(features))
-        if holder is None or holder.idle:
-            return link
-        return link + max(0.0, self.holder_load.predict(features))
+        link, busy = self._measured(self.pull), self._measured(self.busy_holder_pull)
+        link_ms = max(0.0, (self.pull if link or not busy else self.busy_holder_pull).predict(features))
+        if holder is None or holder.idle or not busy:
+            return link_ms
+        busy_ms = max(0.0, self.busy_holder_pull.predict(features))
+        return max(link_ms, busy_ms) if link else busy_ms
+
+    @staticmethod
+    def _measured(fit: OnlineLinearFit) -> bool:
+        """Whether `fit` has been fitted to observations of its own (not its prior)."""
+        return len(fit.samples) >= len(fit.names)
 
     def step_ms(self, load: ReplicaView) -> float:
         """One decode step on a replica: its measured token rate per request, else the default."""
@@ -252,16 +267,12 @@ class CostModel:
 
     def observe_pull(self, num_tokens: int, ms: float, holder_busy: bool = False) -> None:
         """`ms`: how long a pulling request waited for the KV of `num_tokens` tokens (mutates). From a holder idle
-        when the pull was planned it teaches the link fit; from a busy one, the holder-load fit, with what it took
-        beyond the link fit's estimate (a term that comes out negative is dropped: holders that serve reads as fast busy
-        as idle learn 0)."""
+        when the pull was planned it teaches the link fit; from a busy one, the busy holders' fit, with the time it
+        took (not what it took beyond the link fit at the time: that fit may still be at its prior)."""
         if num_tokens <= 0 or ms <= 0:
             return
         features = (1.0, float(self.kv_bytes(num_tokens)))
-        if holder_busy:
-            self.holder_load.observe(features, ms - max(0.0, self.pull.predict(features)))
-        else:
-            self.pull.observe(features, ms)
+        (self.busy_holder_pull if holder_busy else self.pull).observe(features, ms)
 
     def learn_handshake(self) -> None:
         """The pulls observed so far were each the first between their two engines (mutates): their mean transfer
@@ -273,6 +284,14 @@ class CostModel:
         self.pull.samples.clear()
         self.pull.coef = np.asarray(self.PRIOR_PULL, dtype=float)
 
+    def _holder_load(self) -> dict[str, float]:
+        """How much longer pulls from busy holders take than from idle ones, per pull and per byte (0 until both
+        kinds have been measured)."""
+        both = self._measured(self.pull) and self._measured(self.busy_holder_pull)
+        extra = self.busy_holder_pull.coef - self.pull.coef if both else np.zeros(2)
+        return {"busy_holder_ms": float(extra[0]), "busy_holder_ms_per_byte": float(extra[1]),
+                "samples": len(self.busy_holder_pull.samples)}
+
     def snapshot(self) -> dict[str, object]:
         bw = self.pull.coef[1]
         return {
@@ -280,7 +299,7 @@ class CostModel:
             "contention": self.contention.as_dict(),
             "contention_by_node": {node: fit.as_dict() for node, fit in sorted(self._node_contention.items())},
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
-            "holder_load": self.holder_load.as_dict(),
+            "holder_load": self._holder_load(),
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.workload.typical_output_tokens,
             "handshake_ms": self.handshake_ms,

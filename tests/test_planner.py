@@ -858,6 +858,25 @@ def test_a_busy_holder_costs_nothing_extra_until_its_pulls_measure_slower():
     assert cost.pull_ms(1024, ReplicaView("a", running=4)) == cost.pull_ms(1024)
 
 
+def test_pd_with_one_prefill_replica_keeps_pulling_long_histories_back_from_the_busy_decoder():
+    # P/D with one prefill replica: the start-up calibration measures no pull (it needs two replicas to pull
+    # between), and every history is held by the decode replica, busy decoding. A 70B model's KV (320 KiB a token)
+    # comes back in 150 ms + bytes at 80 GB/s, far under the prior's 1 GB/s.
+    kv_bytes = 327_680
+    cost = CostModel(lambda n: n * kv_bytes, shared_compute=False)
+    for n in (64, 256, 1024, 2048, 4096, 8192):
+        cost.observe_prefill(n, 0, 20.0 + 0.0714 * n)
+    decoder, prefill = ReplicaView("d", running=2, decode_tok_s=45.0), ReplicaView("p")
+    for n in (3000, 5000, 7000):
+        cost.observe_pull(n, 150.0 + n * kv_bytes / 80e6, holder_busy=True)
+    # The next turn: an 8,000-token history on the decoder and 140 new tokens. Recomputing takes about 600 ms;
+    # pulling back what those pulls took (about 180 ms) and computing the rest, about 210.
+    history = lookup(8140, ReplicaMatch("d", 8000, "hold", 8000, hold("d", 8000)))
+    plan = plan_turn(8140, history, [decoder, prefill], cost, targets=["p"], turn_index=3)
+    assert plan.mode is Mode.PULL
+    assert plan.estimates_ms["pull"] == pytest.approx(150.0 + 8000 * kv_bytes / 80e6 + 20.0 + 0.0714 * 140, rel=0.1)
+
+
 def test_a_replicas_typical_wait_is_its_queue_averaged_over_time_and_its_marginal_cost_grows_with_it():
     waits = TypicalWait()
     waits.observe(0.0, {"a": 100.0, "b": 0.0}, service_ms=50.0)
