@@ -49,6 +49,9 @@ class DisaggregatedTurnRunner(TurnRunner):
     def _output_tokens(self, turn: Turn) -> int:
         return 1  # the turn starts as a one-token prefill; the decode pool does the rest
 
+    def _founds_home(self) -> bool:
+        return False  # the decode pool holds the history; each later turn starts where the prefill pool has room
+
     def _leaves_holds(self, turn: Turn, stage: str) -> bool:
         # The prefill always hands its KV over. The decode leaves the history for the next turn only under a policy
         # that pulls it back: otherwise its hold would only pin the decode replica's blocks until its lease ends

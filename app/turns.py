@@ -131,7 +131,7 @@ class TurnRunner:
         preferred = preferred_replica(turn.session_id, eligible)
         return plan_turn(
             len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy,
-            self._rotation + 1, self._output_tokens(turn), self.met, turn_index,
+            self._rotation + 1, self._output_tokens(turn), self.met, turn_index, self._founds_home(),
         )
 
     def record_planned(
@@ -225,6 +225,10 @@ class TurnRunner:
     def _output_tokens(self, turn: Turn) -> int:
         """How many tokens the turn will decode on the replica it starts on (how long it keeps that engine busy)."""
         return self.cost.workload.expected_output_tokens(turn.params.max_tokens or 1)
+
+    def _founds_home(self) -> bool:
+        """Whether the replica a turn starts on keeps its KV for the conversation's later turns."""
+        return True
 
     def _leaves_holds(self, turn: Turn, stage: str) -> bool:
         """Whether the turn's `stage` request exports a hold: only policies that pull need them, and only where another

@@ -179,7 +179,8 @@ class Fleet:
         self._rotation += 1
         lookup = self.directory.lookup(key)
         plan = plan_turn(len(prompt), lookup, views, self.cost, preferred, force, targets, policy, self._rotation,
-                         self.cost.workload.expected_output_tokens(len(output)), self.met, turn_index)
+                         self.cost.workload.expected_output_tokens(len(output)), self.met, turn_index,
+                         founds_home=self.topology != "disaggregated")
         self.result.counters[f"plans_{plan.mode.value}"] += 1
         observe_queues(self.cost, plan, self.now)
         full = prompt + output

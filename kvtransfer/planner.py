@@ -83,6 +83,7 @@ def _options(
     met: Collection[tuple[str, str]] | None = None,
     turn_index: int | None = None,
     queues: dict[str, float] | None = None,
+    founds_home: bool = True,
 ) -> list[Option]:
     """Every (target, mode) option for the turn, priced; `queues` (if given) receives each target's queue estimate."""
     live = {r.replica_id: r for r in replicas}
@@ -109,7 +110,8 @@ def _options(
             queues[replica.replica_id] = queue
         # A first turn founds the conversation's home: its later turns will wait there what turns typically wait
         # (a later turn's move is the stay rule's: a transient queue would move it off a holder about to be idle).
-        later = impact.future * cost.typical_wait.marginal_ms(replica.replica_id) if turn_index == 0 else 0.0
+        later = (impact.future * cost.typical_wait.marginal_ms(replica.replica_id)
+                 if turn_index == 0 and founds_home else 0.0)
         contending, on_busy, impact_ms = contending_peers(replica, cost), busy_target(replica, cost), impact.on(replica)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
@@ -241,6 +243,7 @@ def plan_turn(
     output_tokens: int = 1,
     met: Collection[tuple[str, str]] | None = None,
     turn_index: int | None = None,
+    founds_home: bool = True,
 ) -> Plan:
     """Choose target replica and mode together: price every option, then let `policy` (a policy or its registered
     name, `kvtransfer/policies/`) choose one. An option's cost is its estimated time to first token plus the delay
@@ -248,7 +251,11 @@ def plan_turn(
     how long it keeps an idle target busy). `met`: the (puller, holder) pairs that have pulled before; a pull between
     any other two replicas also pays NIXL's handshake (None: every pair has met). `turn_index`: the turn's place in
     its conversation (0: its first; None: not known), which tells how many more turns the conversation will bring
-    wherever the turn runs.
+    wherever the turn runs. `founds_home`: whether the target keeps the turn's KV for the conversation's later turns,
+    so that a first turn is also priced for the waits they will find there; not in P/D, where the decode pool holds
+    the history and each later turn starts wherever the prefill pool has room (priced for them, the first turns of a
+    modelled 16-replica P/D fleet went where queues were short on average rather than now: `long_history` TTFT p50
+    900 ms against 404 without, `benchmarks.fleet --topology disaggregated`).
 
     `preferred_replica` (a session's usual replica) and `rotation` (the caller's turn counter) are the policy's to
     weigh: kvrelay's lets the preferred replica win near-ties (2% and 5 ms), so equal options keep affinity; session
@@ -266,7 +273,8 @@ def plan_turn(
     if num_tokens <= 0:
         raise ValueError("a turn needs at least one prompt token")
     queues: dict[str, float] = {}
-    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met, turn_index, queues)
+    options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met, turn_index, queues,
+                       founds_home)
     if not options:
         raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
     if force is not None:

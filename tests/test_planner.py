@@ -914,6 +914,24 @@ def test_a_first_turn_founds_its_conversation_where_its_later_turns_will_wait_le
     assert cost.typical_wait.ms("a") == pytest.approx(400.0 * math.exp(-1))
 
 
+def test_in_pd_a_first_turn_starts_on_the_prefill_replica_free_now_whatever_queues_it_had():
+    # P/D: the decode pool holds each conversation's history, and each later turn starts wherever the prefill pool
+    # has room; the first turn's prefill replica is no home for them, and its usual queue is no wait of theirs.
+    cost = calibrated()
+    for _ in range(12):
+        for index in range(5):
+            cost.workload.observe_turn(index)
+    # Turns have lately found 400 ms of queue on "a" and none on "b"; now "b" prefills 1,000 tokens and "a" is free.
+    cost.typical_wait.observe(0.0, {"a": 400.0, "b": 0.0}, service_ms=100.0)
+    views = [ReplicaView("a"), ReplicaView("b", prefill_tokens=1000, prefilling=1)]
+    first = lookup(2000)
+    plan = plan_turn(2000, first, views, cost, turn_index=0, founds_home=False)
+    assert plan.replica_id == "a"
+    assert plan.estimate_ms < plan_turn(2000, first, views, cost, force=(Mode.RECOMPUTE, "b")).estimate_ms
+    # Where the target keeps the history, the later turns' waits on "a" are the first turn's to weigh.
+    assert plan_turn(2000, first, views, cost, turn_index=0).replica_id == "b"
+
+
 def test_turns_on_a_busy_cpu_engine_are_corrected_by_what_such_turns_measured():
     """Where engines share a node's CPUs, a turn on the busy engine misses its estimate by more than one on the idle
     engine beside it (the busy engine's processes take the CPU its prefill needs): measured on tiny-llama, 126 ms
