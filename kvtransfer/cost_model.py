@@ -300,6 +300,7 @@ class CostModel:
             "contention_by_node": {node: fit.as_dict() for node, fit in sorted(self._node_contention.items())},
             "pull": self.pull.as_dict() | {"bandwidth_gb_s": (1e-6 / bw) if bw > 0 else None},
             "holder_load": self._holder_load(),
+            "busy_holder_pull": self.busy_holder_pull.as_dict(),
             "decode_step_ms": self.decode_step_ms,
             "typical_output_tokens": self.workload.typical_output_tokens,
             "handshake_ms": self.handshake_ms,
