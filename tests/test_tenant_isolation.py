@@ -66,7 +66,10 @@ def test_another_api_key_sending_the_same_prompt_to_the_replica_holding_the_kv_r
 
     async def send(api_key: str, prompt: list[int]) -> Served:
         body = {"model": MODEL, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True, **GREEDY}
-        headers = {"Authorization": f"Bearer {api_key}", "X-Session-Id": session}
+        # Session affinity runs every turn of the session on its replica: under kvrelay's policy the session only
+        # breaks near-ties, and a replica still finishing the first tenant's turn can lose the second tenant's to
+        # the idle one.
+        headers = {"Authorization": f"Bearer {api_key}", "X-Session-Id": session, "x-kvrelay-policy": "session"}
         async with httpx.AsyncClient(timeout=120) as client:
             resp = await client.post(f"{tiny_app.base_url}/v1/completions", json=body, headers=headers)
         assert resp.status_code == 200, resp.text
