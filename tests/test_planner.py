@@ -963,7 +963,7 @@ def test_turns_on_a_busy_cpu_engine_are_corrected_by_what_such_turns_measured():
 
 def test_a_turn_reading_a_hold_pays_the_measured_time_to_take_it_from_the_directory():
     """A pull (or a read of the target's own hold) is sent only once its hold is taken from the directory's actor:
-    10-35 ms on a loaded two-core machine (tiny-llama, tests/test_planner_vs_measured.py). Measured, that time is
+    10-35 ms on a loaded two-core machine (tiny-llama, timed per stage). Measured, that time is
     priced, so a pull that beats recomputing by less no longer wins."""
     cost = calibrated()
     history = lookup(64 + 32, ReplicaMatch("a", 64, "hold", 64, hold("a", 64)))
