@@ -61,12 +61,13 @@ class EstimateError:
             return
         kind = self.kind(mode, busy_peers, busy_target)
         pool = self._pool(kind)
+        if pool not in self._pools:
+            self._pools[pool] = deque(maxlen=self.window)
         error = measured_ms - estimate_ms
         # statistics.median: numpy's converts the deque and checks for NaNs first, ten times the cost for 64 floats.
         for errors, offsets, spreads, key in (
                 (self._errors.setdefault(kind, deque(maxlen=self.window)), self._offsets, self._spreads, kind),
-                (self._pools.setdefault(pool, deque(maxlen=self.window)), self._pool_offsets, self._pool_spreads,
-                 pool)):
+                (self._pools[pool], self._pool_offsets, self._pool_spreads, pool)):
             errors.append(error)
             if len(errors) >= self.MIN_SAMPLES:
                 offsets[key], spreads[key] = self._median_and_spread(errors)
