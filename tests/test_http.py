@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -414,11 +415,16 @@ def test_stats_time_the_ingress_own_work_outside_the_engine_request(client, tiny
 def test_the_ingress_runs_more_streams_at_once_than_serves_default_admits(tiny_app):
     """Serve admits five requests at once per replica unless told otherwise, and queues the rest in front of the
     handler, where nothing measures the wait; the ingress admits its own limit of turns: eight streams all get their
-    first token before any of them ends."""
+    first token before any of them ends. Each stream's client leaves once all eight have theirs (a stream that waited
+    for another to end would first have to see one of 1,000 tokens end)."""
+    streams = 8
     body = {"model": MODEL, "prompt": "count with me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     headers = {"authorization": f"Bearer {API_KEYS[0]}"}
+    started = threading.Semaphore(0)
+    all_started = threading.Event()
 
-    def one(_: int) -> tuple[float, float]:
+    def one(_: int) -> tuple[float, float | None]:
+        """When this stream's first token came, and when it ended if it ended before all eight had started."""
         with httpx.stream("POST", f"{tiny_app.base_url}/v1/completions", json=body, headers=headers,
                           timeout=120) as response:
             assert response.status_code == 200
@@ -426,8 +432,16 @@ def test_the_ingress_runs_more_streams_at_once_than_serves_default_admits(tiny_a
             for line in response.iter_lines():
                 if first is None and line.startswith("data: {"):
                     first = time.monotonic()
+                    started.release()
+                if all_started.is_set():
+                    return first, None
             return first, time.monotonic()
 
-    with ThreadPoolExecutor(8) as pool:
-        spans = list(pool.map(one, range(8)))
-    assert max(first for first, _ in spans) < min(end for _, end in spans), spans
+    with ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(one, i) for i in range(streams)]
+        for _ in range(streams):
+            assert started.acquire(timeout=120), [f.result() for f in futures if f.done()]
+        all_started.set()
+        spans = [f.result() for f in futures]
+    ends = [end for _, end in spans if end is not None]
+    assert not ends or max(first for first, _ in spans) < min(ends), spans

@@ -63,6 +63,8 @@ def test_a_request_waits_for_the_replica_it_targets_rather_than_take_another_one
     full, free = sorted(identities(engines))
     slots = PoolConfig().max_ongoing_requests  # the tiny app keeps the default
 
+    streams = []
+
     async def run(target: str, max_tokens: int) -> str:
         request = GenerateRequest(
             request_id=uuid.uuid4().hex,
@@ -70,7 +72,8 @@ def test_a_request_waits_for_the_replica_it_targets_rather_than_take_another_one
             params=Sampling(max_tokens=max_tokens, ignore_eos=True).to_params(),
             target_replica=target,
         )
-        deltas = [d async for d in engines.options(stream=True).generate.remote(request)]
+        streams.append(stream := engines.options(stream=True).generate.remote(request))
+        deltas = [d async for d in stream]
         return deltas[-1].replica_id
 
     async def scenario() -> list[str]:
@@ -78,8 +81,14 @@ def test_a_request_waits_for_the_replica_it_targets_rather_than_take_another_one
         await asyncio.sleep(0.5)  # every slot of `full` is taken
         waiting = asyncio.ensure_future(run(full, 2))
         await asyncio.sleep(0.2)  # its routing is pending when the next request comes
-        served = [await run(free, 2), await waiting]
-        await asyncio.gather(*occupying)
+        served = [await run(free, 2)]
+        # One occupying turn cancelled frees a slot of `full` for the waiting turn (rather than 400 steps later);
+        # then the others, whose engine requests end now.
+        streams[0].cancel()
+        served.append(await waiting)
+        for stream in streams[1:slots]:
+            stream.cancel()
+        await asyncio.gather(*occupying, return_exceptions=True)
         return served
 
     assert asyncio.run(scenario()) == [free, full]

@@ -110,7 +110,9 @@ def send_no_cache_salt(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def in_process_runner_send(app: ServedApp, session: str) -> Send:
     """`Send` through a turn runner in this process, over the app's engines and KV directory, so a test double can
-    replace a piece of it. It plans with an uncalibrated cost model, to which idle replicas are exactly equal."""
+    replace a piece of it. Its first turn runs where the runner plans it, every later one on that replica (the
+    runner's `_targets`, as a P/D decode stage limits where turns start), planned there as usual. A session only
+    breaks near-ties under kvrelay's policy, and the replica still finishing the first tenant's turn was not one."""
     from ray import serve
 
     from actors.replica_api import Sampling
@@ -130,13 +132,21 @@ async def in_process_runner_send(app: ServedApp, session: str) -> Send:
         assert time.monotonic() < deadline, "the mirror never saw both replicas"
         await asyncio.sleep(0.05)
     kv_bytes = KVShape.from_model_dir(model_path(MODEL), "float32", identity.block_size).kv_bytes
-    runner = TurnRunner(engines, mirror, CostModel(kv_bytes), MODEL, identity.block_size, hold_ttl_s=30.0)
+    class PinnedRunner(TurnRunner):
+        pinned: list[str]  # the replicas its turns ran on, first first
+
+        def _targets(self) -> list[str] | None:
+            return self.pinned[:1] or None
+
+    runner = PinnedRunner(engines, mirror, CostModel(kv_bytes), MODEL, identity.block_size, hold_ttl_s=30.0)
+    runner.pinned = []
 
     async def send(tenant: str, prompt: list[int]) -> Served:
         turn = Turn(uuid.uuid4().hex, list(prompt), Sampling(**GREEDY).to_params(), tenant, session_id=session)
         deltas = [item async for item in runner.run(turn)]
         last, outcome = deltas[-1]
         public = outcome.public()
+        runner.pinned.append(public["replica"])
         return Served(public["replica"], public["reused_tokens"], last.num_cached_tokens,
                       [t for delta, _ in deltas for t in delta.token_ids])
 

@@ -36,8 +36,10 @@ def two_nodes() -> Iterator[Deployed]:
         pytest.fail(f"two Ray nodes need two network namespaces, which cannot be made here ({why_not}): run the "
                     "tests as root with iproute2 installed, as CI does")
     with TwoNodeCluster() as cluster:
+        # Placement is not these tests' subject (their turns are forced, and the one planned turn may stay or pull):
+        # the app starts without the start-up calibration.
         info = cluster.driver_json("-m", "tests.two_nodes_driver", "--address", cluster.address, "deploy",
-                                   "--http", f"{cluster.ips['head']}:{HTTP_PORT}")
+                                   "--http", f"{cluster.ips['head']}:{HTTP_PORT}", "--no-calibration")
         yield Deployed(cluster, info)
 
 

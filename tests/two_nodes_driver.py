@@ -54,8 +54,9 @@ def on_node(node_ip: str) -> str:
     return next(r["replica_id"] for r in replicas() if r["node_ip"] == node_ip)
 
 
-def deploy(head_ip: str, http: str, engine: dict[str, Any] | None) -> dict[str, Any]:
-    """Serve the app (`engine`: its EngineConfig fields; default the tests' tiny-llama) and wait for its replicas."""
+def deploy(head_ip: str, http: str, engine: dict[str, Any] | None, calibrate: bool) -> dict[str, Any]:
+    """Serve the app (`engine`: its EngineConfig fields; default the tests' tiny-llama) and wait for its replicas and,
+    with `calibrate`, the start-up calibration."""
     from ray import serve
 
     from app.builder import build_app
@@ -68,12 +69,13 @@ def deploy(head_ip: str, http: str, engine: dict[str, Any] | None) -> dict[str, 
     config = {
         "name": APP,
         "log_level": "WARNING",
+        "calibrate": calibrate,
         "ingress_resources": {f"node:{head_ip}": 0.01},
         "pool": {"num_replicas": 2, "max_replicas_per_node": 1, "engine": engine or dict(TINY_ENGINE, model=MODEL)},
     }
     serve.run(build_app(config), name=APP, route_prefix="/")
     seen = replicas()
-    ingress().calibrated.remote().result(timeout_s=300)
+    ingress().calibrated.remote().result(timeout_s=300)  # at once without a calibration
     stats = ingress().stats.remote().result()
     return {"replicas": seen, "ingress_node_ip": stats["ingress"]["node_ip"]}
 
@@ -173,13 +175,14 @@ def main() -> None:
     parser.add_argument("command", choices=["deploy", "converse", "remote_events", "kill_worker_mid_conversation"])
     parser.add_argument("--http", default="")
     parser.add_argument("--engine", type=json.loads, help="deploy: EngineConfig fields as JSON")
+    parser.add_argument("--no-calibration", action="store_true", help="deploy: without the start-up calibration")
     parser.add_argument("--mode", default="pull")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     head_ip = args.address.rsplit(":", 1)[0]
     ray.init(address=args.address, namespace="serve", logging_level="ERROR", log_to_driver=False)
     if args.command == "deploy":
-        out = deploy(head_ip, args.http, args.engine)
+        out = deploy(head_ip, args.http, args.engine, not args.no_calibration)
     elif args.command == "converse":
         out = converse(args.mode, args.seed, args.worker_ip, head_ip)
     elif args.command == "remote_events":
