@@ -131,7 +131,8 @@ class AppConfig(BaseModel):
     ingress_max_turns: int = Field(default=256, ge=1)
     # Time recomputes and pulls on the live replicas at start-up to fit the cost model (kvtransfer/calibration.py).
     # Off, placement starts from the cost model's priors and learns from served turns alone, and the app is ready
-    # sooner (the calibration takes about 20 s for serve_config.yaml's two replicas on CPU).
+    # sooner (for serve_config.yaml's two replicas, `make serve` is ready about a minute after both engines are up on
+    # a 2-core Intel Xeon with AMX: test_serve_run's wait).
     calibrate: bool = True
     # How often one turn may move to another replica because the one serving it died (its stream continues there
     # from the tokens already sent); beyond that the client gets an error (0: never move).
