@@ -147,6 +147,12 @@ async def in_process_runner_send(app: ServedApp, session: str) -> Send:
         last, outcome = deltas[-1]
         public = outcome.public()
         runner.pinned.append(public["replica"])
+        # The next turn is planned once this ingress's mirror lists this turn's KV on its replica: the KV events and
+        # the directory's change feed come after the answer.
+        deadline = time.monotonic() + 30
+        while runner.directory.lookup(runner.key(turn)).get(public["replica"]) is None:
+            assert time.monotonic() < deadline, f"the mirror never listed the turn's KV on {public['replica']}"
+            await asyncio.sleep(0.05)
         return Served(public["replica"], public["reused_tokens"], last.num_cached_tokens,
                       [t for delta, _ in deltas for t in delta.token_ids])
 
