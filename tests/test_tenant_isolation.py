@@ -133,20 +133,19 @@ async def in_process_runner_send(app: ServedApp, session: str) -> Send:
         await asyncio.sleep(0.05)
     kv_bytes = KVShape.from_model_dir(model_path(MODEL), "float32", identity.block_size).kv_bytes
     class PinnedRunner(TurnRunner):
-        pinned: list[str]  # the replicas its turns ran on, first first
+        home: str | None = None  # the replica its first turn ran on
 
         def _targets(self) -> list[str] | None:
-            return self.pinned[:1] or None
+            return [self.home] if self.home else None
 
     runner = PinnedRunner(engines, mirror, CostModel(kv_bytes), MODEL, identity.block_size, hold_ttl_s=30.0)
-    runner.pinned = []
 
     async def send(tenant: str, prompt: list[int]) -> Served:
         turn = Turn(uuid.uuid4().hex, list(prompt), Sampling(**GREEDY).to_params(), tenant, session_id=session)
         deltas = [item async for item in runner.run(turn)]
         last, outcome = deltas[-1]
         public = outcome.public()
-        runner.pinned.append(public["replica"])
+        runner.home = runner.home or public["replica"]
         # The next turn is planned once this ingress's mirror lists this turn's KV on its replica: the KV events and
         # the directory's change feed come after the answer.
         deadline = time.monotonic() + 30
