@@ -15,22 +15,19 @@ import os
 
 async def main_async(args: argparse.Namespace) -> None:
     from ray import serve
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     handle = serve.get_app_handle(args.app)
-    model = args.model
-    messages = [{"role": "user", "content": args.question}]
+    # The body the HTTP endpoint takes, as a dict: a driver that only streams needs no vLLM installed.
+    request = {"model": args.model, "messages": [{"role": "user", "content": args.question}],
+               "max_tokens": args.max_tokens, "temperature": 0, "stream": args.stream}
     if args.stream:
-        request = ChatCompletionRequest(model=model, messages=messages, max_tokens=args.max_tokens, stream=True,
-                                        temperature=0)
         async for chunk in handle.options(stream=True).chat.remote(request):
             for choice in chunk["choices"]:
                 print(choice["delta"].get("content") or "", end="", flush=True)
             if "kvrelay" in chunk:
                 print(f"\n[plan] {chunk['kvrelay']}")
         return
-    request = ChatCompletionRequest(model=model, messages=messages, max_tokens=args.max_tokens, temperature=0)
-    response = await handle.chat.remote(request)
+    response = await handle.chat.remote(request)  # vLLM's ChatCompletionResponse, with a `kvrelay` field
     print(response.choices[0].message.content)
     print(f"[usage] {response.usage.model_dump()}")
     print(f"[plan] {response.kvrelay.model_dump()}")
