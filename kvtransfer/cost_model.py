@@ -119,6 +119,10 @@ class CostModel:
             return 0.0
         return self._prefill_ms(_prefill_features(new_tokens, context_tokens), busy_peers, replica_id)
 
+    def solo_prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """The fleet's prefill fit alone: `recompute_ms` on a typical replica with its node to itself."""
+        return max(0.0, self.prefill.predict(_prefill_features(new_tokens, context_tokens)))
+
     def _prefill_ms(self, features: Sequence[float], busy_peers: int, replica_id: str | None) -> float:
         """The prefill fit at `features`, on `replica_id` while `busy_peers` engines beside it are busy."""
         solo = max(0.0, self.prefill.predict(features))
@@ -181,8 +185,9 @@ class CostModel:
         other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
         batches a new prefill with the running decodes, so they cost it about one step, not one each)."""
         peers, replica = load.busy_peers, load.replica_id
-        ahead = (self.queued_prefill_ms(load.prefill_tokens, load.prefilling, peers, replica)
-                 + load.waiting * self.recompute_ms(256, 0, peers, replica))
+        ahead = self.queued_prefill_ms(load.prefill_tokens, load.prefilling, peers, replica)
+        if load.waiting:
+            ahead += load.waiting * self.recompute_ms(256, 0, peers, replica)
         return ahead + (self.step_ms(load) if load.running else 0.0)
 
     def queued_prefill_ms(

@@ -74,11 +74,11 @@ def fastest(options: Sequence[Option], preferred_replica: str | None, rotation: 
     that cost exactly the same, the one reusing more; then (idle replicas alike) in an order that `rotation`
     shuffles: taking the first listed sent every new conversation without a session to the same idle replica
     until it was busy, and a fleet's first turns queued on its first few replicas (modelled: 16 H100 replicas)."""
-    best_ms = min(o.cost_ms for o in options)
+    bound = min(o.cost_ms for o in options) * 1.02 + STAY_MARGIN_MS
+    near_best = [o for o in options if o.cost_ms <= bound]
 
-    def rank(o: Option) -> tuple[bool, float, float, int, int]:
-        near_best = o.cost_ms <= best_ms * 1.02 + STAY_MARGIN_MS
-        return (not near_best, 0.0 if near_best and o.replica_id == preferred_replica else 1.0, o.cost_ms,
-                -o.reused_tokens, zlib.crc32(f"{rotation}:{o.replica_id}".encode()))
+    def rank(o: Option) -> tuple[float, float, int, int]:
+        return (0.0 if o.replica_id == preferred_replica else 1.0, o.cost_ms, -o.reused_tokens,
+                zlib.crc32(f"{rotation}:{o.replica_id}".encode()))
 
-    return min(options, key=rank)
+    return min(near_best, key=rank)
