@@ -37,6 +37,7 @@ from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.options import Mode
 from kvtransfer.policies import get_policy
+from kvtransfer.sim.profile import load_profile
 from model_prep.store import model_path
 
 
@@ -65,8 +66,11 @@ class Ingress:
         self.directory = directory
         self.mirror = DirectoryMirror(directory, engine.block_size)
         self.mirror.start()
-        # Replicas with a GPU each do not slow each other as CPU replicas of one node do.
-        cost = CostModel(shape.kv_bytes, shared_compute=self.config.pool.num_gpus == 0)
+        # Replicas with a GPU each do not slow each other as CPU replicas of one node do; simulated ones do as their
+        # profile models (64 simulated GPUs on one host are not 64 CPU engines sharing its cores).
+        shared_compute = (load_profile(engine.sim_profile).contention_per_busy_peer > 0 if engine.kind == "sim"
+                          else self.config.pool.num_gpus == 0)
+        cost = CostModel(shape.kv_bytes, shared_compute=shared_compute)
         decode_engines = pools.get("decode_engines")
         if decode_engines is None:
             self.runner = TurnRunner(

@@ -149,7 +149,7 @@ class Fleet:
             views.append(ReplicaView(e.replica_id, running=decoding, waiting=0,
                                      decode_tok_s=1e3 / step if step else None, prefill_tokens=backlog,
                                      prefilling=waiting, arrival_rate=rate))
-        return with_busy_peers(views, {e.replica_id: e.node for e in self.engines})
+        return with_busy_peers(views, {e.replica_id: e.node for e in self.engines}, self.cost.shared_compute)
 
     # ----- turns
 

@@ -27,10 +27,11 @@ POLICIES = ("kvrelay", "round_robin", "session", "prefix_affinity", "fixed_thres
 _SERIALS = count()
 
 
-def calibrated_cost(rng: random.Random, nodes: list[str]) -> CostModel:
+def calibrated_cost(rng: random.Random, nodes: list[str], shared_compute: bool = True) -> CostModel:
     """A cost model as it stands after a while of running: fitted prefill and pull, per-node contention, a
-    decode step, a workload forecast and an estimate error per kind of turn."""
-    cost = CostModel(lambda n: 23040 * n)
+    decode step, a workload forecast and an estimate error per kind of turn. `shared_compute` False: engines with a
+    GPU each, which do not slow each other."""
+    cost = CostModel(lambda n: 23040 * n, shared_compute=shared_compute)
     for n in (64, 256, 1024, 2048, 4096):
         cost.observe_prefill(n, 0, 5.0 + 0.3 * n * rng.uniform(0.95, 1.05))
     for n in (256, 1024, 4096):
@@ -88,7 +89,7 @@ def random_turn(rng: random.Random, replicas: int, nodes: list[str]) -> dict:
 
 def plan(cost: CostModel, turn: dict, policy: str = "kvrelay"):
     """Plan `turn` as the ingress does: busy peers from the nodes, then the planner."""
-    views = with_busy_peers(turn["views"], turn["node_of"])
+    views = with_busy_peers(turn["views"], turn["node_of"], cost.shared_compute)
     return plan_turn(turn["num_tokens"], turn["lookup"], views, cost, turn["preferred"], policy=policy,
                      rotation=turn["rotation"], output_tokens=turn["output_tokens"], met=turn["met"],
                      turn_index=turn["turn_index"])
@@ -96,11 +97,13 @@ def plan(cost: CostModel, turn: dict, policy: str = "kvrelay"):
 
 def timings(turns: int) -> dict[str, dict[str, float]]:
     out = {}
-    for nodes in (2, 8):
+    # CPU replicas on 2 or 8 nodes, and GPU replicas (no contention between them) on 8 nodes or on one, as 64
+    # simulated ones on one host (`benchmarks.control_plane`).
+    for nodes, shared_compute in ((2, True), (8, True), (8, False), (1, False)):
         names = [f"n{i}" for i in range(nodes)]
         for replicas in (8, 16, 32, 64):
             rng = random.Random(replicas * 100 + nodes)
-            cost = calibrated_cost(rng, names)
+            cost = calibrated_cost(rng, names, shared_compute)
             cases = [random_turn(rng, replicas, names) for _ in range(turns)]
             wall, cpu = [], []
             for turn in cases:
@@ -109,8 +112,9 @@ def timings(turns: int) -> dict[str, dict[str, float]]:
                 cpu.append((time.thread_time() - start_cpu) * 1e3)
                 wall.append((time.perf_counter() - start) * 1e3)
             q, q_cpu = statistics.quantiles(wall, n=100), statistics.quantiles(cpu, n=100)
-            out[f"{replicas}r_{nodes}n"] = {"p50_ms": round(q[49], 3), "p99_ms": round(q[98], 3),
-                                            "cpu_p50_ms": round(q_cpu[49], 3), "cpu_p99_ms": round(q_cpu[98], 3)}
+            name = f"{replicas}r_{nodes}n" + ("" if shared_compute else "_gpu")
+            out[name] = {"p50_ms": round(q[49], 3), "p99_ms": round(q[98], 3),
+                         "cpu_p50_ms": round(q_cpu[49], 3), "cpu_p99_ms": round(q_cpu[98], 3)}
     return out
 
 

@@ -300,6 +300,7 @@ class CostModel:
     def snapshot(self) -> dict[str, object]:
         bw = self.pull.coef[1]
         return {
+            "shared_compute": self.shared_compute,
             "prefill": self.prefill.as_dict(),
             "contention": self.contention.as_dict(),
             "contention_by_node": {node: fit.as_dict() for node, fit in sorted(self._node_contention.items())},

@@ -42,10 +42,17 @@ class ReplicaView(NamedTuple):
 
 
 
-def with_busy_peers(views: list[ReplicaView], node_of: dict[str, str]) -> list[ReplicaView]:
+def with_busy_peers(
+    views: list[ReplicaView], node_of: dict[str, str], shared_compute: bool = True
+) -> list[ReplicaView]:
     """Each view with the other replicas on its node that are busy (running, queued or prefilling): how many,
     and, per busy one, its requests waiting for their first token, the prompt tokens they still need and its
-    recent arrival rate. The idle views of a node share one tuple of peers (the planner sums over each tuple once)."""
+    recent arrival rate. The idle views of a node share one tuple of peers (the planner sums over each tuple once).
+    Where a node's engines do not share compute (`CostModel.shared_compute`: a GPU each), none slows another and
+    the views come back as they are: on one node of 64 such replicas, collecting every busy one's peers was most of
+    a plan's time."""
+    if not shared_compute:
+        return views
     busy: dict[str | None, list[ReplicaView]] = {}
     for v in views:
         if not v.idle:

@@ -258,11 +258,13 @@ class _Impact:
     def on(self, target: ReplicaView) -> Callable[[float], float]:
         """The impact of a turn on `target` by its compute time there (ms)."""
         per_peer = self.cost.contention_per_peer(target.replica_id)
+        arrival_per_ms = target.arrival_rate / 1e3
+        if per_peer == 0.0:  # engines that do not slow each other (a GPU each): only a busy target's arrivals wait
+            return (lambda compute_ms: arrival_per_ms * compute_ms**2 / 2) if not target.idle else _no_impact
         peers = self._busy_peers(target)
         later = self.output_ms
         stays = per_peer * (later / 2) * (self.future * peers.arrival_per_ms * later)
         if not target.idle:
-            arrival_per_ms = target.arrival_rate / 1e3
             return lambda compute_ms: arrival_per_ms * compute_ms**2 / 2 + stays
 
         def idle_target(compute_ms: float) -> float:
@@ -271,6 +273,10 @@ class _Impact:
                 peers.arrival_per_ms * occupancy)
 
         return idle_target
+
+
+def _no_impact(compute_ms: float) -> float:
+    return 0.0
 
 
 def plan_turn(
@@ -336,7 +342,9 @@ def plan_turn(
         chosen = policy.choose(options, PolicyContext(lookup, replicas, cost, preferred_replica, rotation, turn_index))
     estimates: dict[str, float] = {}
     for o in options:
-        estimates[o.mode] = round(min(estimates.get(o.mode, float("inf")), o.estimate_ms), 2)
+        if o.estimate_ms < estimates.get(o.mode, float("inf")):
+            estimates[o.mode] = o.estimate_ms
+    estimates = {mode: round(ms, 2) for mode, ms in estimates.items()}
     reason = _reason(chosen, estimates, num_tokens)
     if policy.name != DEFAULT_POLICY and force is None:
         reason = f"{policy.name} policy: {reason}"

@@ -75,6 +75,8 @@ def test_eight_simulated_replicas_answer_a_conversation_with_a_pull(sim_app: Ser
     assert pulled.kvrelay.reused_tokens == pulled.usage.cached_tokens == 400 + 40 + 2 * 16 - 1
     stats = sim_app.ingress.stats.remote().result(timeout_s=30)
     assert {r.get("time_dilation") for r in stats["replicas"]} == {SIM_ENGINE["sim_dilation"]}
+    # Modelled GPUs, each its own: the planner prices no contention between them, though they share this host.
+    assert stats["cost_model"]["shared_compute"] is False
     assert stats["counters"].get("pull_failures", 0) == 0
     assert time.monotonic() - started < 60
 
