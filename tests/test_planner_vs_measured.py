@@ -62,7 +62,7 @@ LEAVES_NO_HOLD = "round_robin"
 # The load: conversations decoding on one replica for the whole case (as the start-up calibration's contention).
 LOAD_STREAMS = 4
 LOAD_PROMPT = 32
-LOAD_TOKENS = 1024
+LOAD_TOKENS = 2016  # as long as the engines allow (max_model_len 2048): a slower machine kind runs the cases longer
 BLOCK_SIZE = 32  # the suite's engines' (configs.engine's default)
 
 
