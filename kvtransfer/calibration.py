@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 CALIBRATION_TENANT = "kvrelay-calibration"
 # One greedy token: a turn that measures its prefill (and its pull), not decoding.
 ONE_TOKEN = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+# A turn that decodes alone (`decode_alone`): long enough that its mean step is the engine's decode step.
+DECODE_ALONE = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 # Prefills timed beside a busy engine (`contention`): long enough that the slowdown, not fixed costs, shows.
 CONTENTION_LENGTHS = (256, 512, 1024)
 # How long after the busy engine's turns are sent the measured prefills start (their 64-token prefills are done).
@@ -89,12 +91,23 @@ async def calibrate(
                 await pull_after_recompute(n, ids[0], ids[1])
             else:
                 await turn([rng.randrange(100, vocab) for _ in range(n)], ("recompute", ids[0]))
+        await decode_alone(run_turn, ids[0], rng, vocab)
         if len(ids) > 1 and max_model_len >= 512:
             await contention(run_turn, ids[0], ids[1], rng, vocab,
                              [n for n in CONTENTION_LENGTHS if n + 64 < max_model_len])
         logger.info("cost model calibrated on %s: %s", ids, cost.snapshot())
     except Exception:  # calibration only sharpens the priors; serving must not depend on it
         logger.exception("cost model calibration failed; keeping the priors")
+
+
+async def decode_alone(run_turn: RunTurn, replica: str, rng: random.Random, vocab: int) -> None:
+    """One turn decoding DECODE_ALONE's tokens on `replica` while no other turn runs: the turn path learns the solo
+    decode step from it (`CostModel.observe_decode`), which prices how long a turn keeps its engine busy and so what
+    starting a second engine beside a busy one costs the first. Only turns that had their engine and node to
+    themselves teach it, and a loaded app may run none: of two apps serving `benchmarks.multi_turn_external`'s
+    conversations, one priced decoding at the 20 ms prior throughout, where the other measured 88 ms."""
+    await run_turn([rng.randrange(100, vocab) for _ in range(64)], DECODE_ALONE, ("recompute", replica),
+                   tenant=CALIBRATION_TENANT)
 
 
 async def contention(run_turn: RunTurn, measured: str, busy: str, rng: random.Random, vocab: int,

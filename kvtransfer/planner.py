@@ -184,8 +184,11 @@ def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
     """What reading a hold adds on `target` besides the transfer: vLLM parks the reading request, starts the read
     in its next step and schedules the prefill only in a step after the read is done. On an idle engine such a
     step is a millisecond; on a busy one it is a decode step of the batch there (measured under a multi-turn load:
-    local turns reading their own hold took about a decode step longer than turns using the prefix cache alone)."""
-    return 0.0 if target.idle else READ_STEPS * cost.decode_step_ms
+    local turns reading their own hold took about a decode step longer than turns using the prefix cache alone), as
+    the replica's recent requests decoded (`CostModel.step_ms`), not a request decoding alone: under aiperf's
+    multi-turn load on two CPU replicas those steps took 130-200 ms, against the solo step's 20 ms prior (or 88 ms
+    measured), and reading a hold to save the last partial block's prefill looked cheaper than it was."""
+    return 0.0 if target.idle else READ_STEPS * cost.step_ms(target)
 
 
 class _BusyPeers:

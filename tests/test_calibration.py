@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from types import SimpleNamespace
 
-from kvtransfer.calibration import CONTENTION_STREAMS, ON_BUSY_LENGTHS, contention
+from kvtransfer.calibration import CONTENTION_STREAMS, ON_BUSY_LENGTHS, calibrate, contention
+from kvtransfer.cost_model import CostModel
 
 
 def test_contention_is_measured_while_the_other_engine_is_working():
@@ -34,3 +36,23 @@ def test_contention_is_measured_while_the_other_engine_is_working():
     assert all(end <= bg_start for _, _, end in alone)
     # All while every background turn runs, and after their prefills (they are decoding).
     assert all(decoding_from < start and end < bg_end for _, start, end in beside + on_busy)
+
+
+def test_the_calibration_times_a_turn_decoding_alone():
+    """The solo decode step (what a turn's stay on an engine costs the engines beside it) is learned only from turns
+    that ran alone: the calibration runs one, so an app that is never idle later still has it measured."""
+    spans: list[tuple[dict, tuple[str, str], float, float]] = []
+
+    async def run_turn(token_ids, sampling, force, tenant=""):
+        started = time.monotonic()
+        await asyncio.sleep(0.2 if sampling["max_tokens"] > 1 else 0.005)
+        spans.append((sampling, force, started, time.monotonic()))
+        return SimpleNamespace(token_ids=[7] * sampling["max_tokens"])
+
+    cost = CostModel(lambda n: 1024 * n)
+    asyncio.run(calibrate(run_turn, lambda: ["a", "b"], 2, cost, 1000, 2048))
+    decoding = [s for s in spans if s[0]["max_tokens"] > 1]
+    alone = [s for s in decoding if all(o is s or o[3] <= s[2] or o[2] >= s[3] for o in spans)]
+    assert len(alone) == 1, "no turn decoded alone"
+    sampling, force, _, _ = alone[0]
+    assert sampling["ignore_eos"] and sampling["max_tokens"] >= 8 and force[0] == "recompute"
