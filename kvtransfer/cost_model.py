@@ -125,8 +125,13 @@ class CostModel:
 
     def _prefill_ms(self, features: Sequence[float], busy_peers: int, replica_id: str | None) -> float:
         """The prefill fit at `features`, on `replica_id` while `busy_peers` engines beside it are busy."""
-        solo = max(0.0, self.prefill.predict(features))
-        return solo * self.slowdown(busy_peers, replica_id) * self.speed_factor(replica_id)
+        slowdown, speed = self.prefill_factors(busy_peers, replica_id)
+        return max(0.0, self.prefill.predict(features)) * slowdown * speed
+
+    def prefill_factors(self, busy_peers: int, replica_id: str | None) -> tuple[float, float]:
+        """What scales the fleet's prefill fit on `replica_id` while `busy_peers` engines beside it are busy: the
+        node's slowdown and the replica's speed (`recompute_ms` = `solo_prefill_ms` x both)."""
+        return self.slowdown(busy_peers, replica_id), self.speed_factor(replica_id)
 
     def speed_factor(self, replica_id: str | None) -> float:
         """How much longer than the fleet's fit a replica's prefills take: its recent median measured / estimated

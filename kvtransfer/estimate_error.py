@@ -100,9 +100,14 @@ class EstimateError:
         return self._spread(self.kind(mode, busy_peers, busy_target))
 
     def corrected(self, mode: str, busy_peers: int, estimate_ms: float, busy_target: bool = False) -> float:
-        """`estimate_ms` plus the measured error of its kind; never below half the fits' estimate."""
-        return max(estimate_ms / 2, estimate_ms + self.offset_ms(mode, busy_peers, busy_target))
+        """`estimate_ms` plus the measured error of its kind (`with_offset`)."""
+        return with_offset(estimate_ms, self.offset_ms(mode, busy_peers, busy_target))
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {k: {"offset_ms": round(self._offset(k), 2), "uncertainty_ms": round(self._spread(k), 2),
                     "samples": len(v)} for k, v in sorted(self._errors.items())}
+
+
+def with_offset(estimate_ms: float, offset_ms: float) -> float:
+    """An estimate corrected by its kind's measured error; never below half the fits' estimate."""
+    return max(estimate_ms / 2, estimate_ms + offset_ms)

@@ -30,6 +30,7 @@ from typing import NamedTuple
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import ReplicaView
 from kvtransfer.options import Mode, Option, busy_target, contending_peers, fastest
+from kvtransfer.plan_prices import PlanPrices
 from kvtransfer.policies import DEFAULT_POLICY, PlacementPolicy, PolicyContext, get_policy
 from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
 
@@ -87,7 +88,7 @@ def _options(
 ) -> list[Option]:
     """Every (target, mode) option for the turn, priced; `queues` (if given) receives each target's queue estimate."""
     live = {r.replica_id: r for r in replicas}
-    prices = _Prices(cost)
+    prices = PlanPrices(cost)
     impact = _Impact(cost, output_tokens, cost.workload.expected_future_turns(turn_index))
     matches: dict[str, ReplicaMatch] = {}
     for m in lookup.matches:
@@ -136,48 +137,6 @@ def _options(
                                   prices.corrected(Mode.PULL, contending, ms, on_busy), hold, ms, impact_ms(rest),
                                   later))
     return options
-
-
-class _Prices:
-    """The cost model's estimates for one plan, each term computed once: a plan on 64 replicas with a few holds prices
-    hundreds of options, whose prefills share a few lengths, whose pulls share a few holders, and whose replicas
-    each price all their options at one slowdown and speed (`python -m benchmarks.plan_time`)."""
-
-    def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
-        self._solo: dict[tuple[int, int], float] = {}
-        self._scale: dict[str, tuple[float, float]] = {}
-        self._pulls: dict[tuple[int, str | None], float] = {}
-        self._offsets: dict[tuple[Mode, int, bool], float] = {}
-
-    def recompute_ms(self, new_tokens: int, context_tokens: int, replica: ReplicaView) -> float:
-        """`CostModel.recompute_ms` on `replica` beside its busy peers."""
-        if new_tokens <= 0:
-            return 0.0
-        solo = self._solo.get((new_tokens, context_tokens))
-        if solo is None:
-            solo = self._solo[new_tokens, context_tokens] = self.cost.solo_prefill_ms(new_tokens, context_tokens)
-        scale = self._scale.get(replica.replica_id)
-        if scale is None:
-            scale = self._scale[replica.replica_id] = (self.cost.slowdown(replica.busy_peers, replica.replica_id),
-                                                       self.cost.speed_factor(replica.replica_id))
-        return solo * scale[0] * scale[1]
-
-    def pull_ms(self, num_tokens: int, holder: ReplicaView | None) -> float:
-        """`CostModel.pull_ms` from `holder`."""
-        key = (num_tokens, holder.replica_id if holder is not None else None)
-        ms = self._pulls.get(key)
-        if ms is None:
-            ms = self._pulls[key] = self.cost.pull_ms(num_tokens, holder)
-        return ms
-
-    def corrected(self, mode: Mode, busy_peers: int, estimate_ms: float, busy_target: bool) -> float:
-        """`EstimateError.corrected`: the estimate plus its kind's measured error, never below half of it."""
-        offset = self._offsets.get((mode, busy_peers, busy_target))
-        if offset is None:
-            offset = self._offsets[mode, busy_peers, busy_target] = self.cost.error.offset_ms(mode, busy_peers,
-                                                                                              busy_target)
-        return max(estimate_ms / 2, estimate_ms + offset)
 
 
 def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
