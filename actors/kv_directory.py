@@ -48,8 +48,10 @@ class KVDirectoryActor:
         (first beat, or the directory restarted or dropped it): it should re-report what it holds."""
         self._sweep()
         self._departed.pop(identity.replica_id, None)
-        self._log.append(("beat", identity, stats))
-        return self._replicas.heartbeat(identity, stats)
+        new = self._replicas.heartbeat(identity, stats)
+        # The registered identity: every beat of a replica in the log shares one copy while it does not change.
+        self._log.append(("beat", self._replicas.identity(identity.replica_id), stats))
+        return new
 
     async def deregister(self, replica_id: str) -> None:
         """A replica leaves (scale-down, shutdown, a failed pull from it): forget it and all it holds, at once."""
@@ -86,11 +88,12 @@ class KVDirectoryActor:
     ) -> RecordResult:
         if replica_id in self._departed:
             return RecordResult(kept=False, new_entries=0, evicted_chains=0)
-        result = self._directory.record_hold(replica_id, key, hold, expires_at, scope=scope,
-                                             prompt_tokens=prompt_tokens)
+        # The feed carries what the directory keeps of the hold's tokens, not the key: a few KB less per hold that
+        # the log holds (a long history's token ids are 4 bytes each).
+        held = self._directory.held_prefix(key, hold.num_tokens, scope=scope, prompt_tokens=prompt_tokens)
+        result = self._directory.record_held(replica_id, held, hold, expires_at)
         if result.kept:
-            key = self._directory._as_key(key, scope)
-            self._log.append(("hold", replica_id, key, hold, expires_at, prompt_tokens))
+            self._log.append(("hold", replica_id, held, hold, expires_at))
         return result
 
     async def consume_hold(self, hold_id: HoldId) -> Hold | None:

@@ -23,6 +23,7 @@ from actors.replica_api import ReplicaIdentity, ReplicaStats
 from actors.replica_registry import DEFAULT_DEAD_AFTER_S, ReplicaRegistry
 from kvtransfer.directory_index.changes import Changes
 from kvtransfer.directory_index.index import KVDirectory
+from kvtransfer.directory_index.results import HeldPrefix
 from kvtransfer.prefix_key import PrefixKey
 from kvtransfer.types import Hold, HoldId, LookupResult
 
@@ -102,18 +103,18 @@ class DirectoryMirror:
         elif kind == "leave":
             self._forget(update[1])
         elif kind == "hold":
-            _, replica_id, key, hold, expires_at, prompt_tokens = update
-            self._copy_hold(replica_id, key, hold, expires_at, prompt_tokens)
+            _, replica_id, held, hold, expires_at = update
+            self._copy_hold(replica_id, held, hold, expires_at)
         elif kind == "consume":
             self._drop_hold(update[1])
         elif kind == "resident":
             self._copy.apply_resident(update[1], update[2])
 
-    def _copy_hold(self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, prompt_tokens: int) -> None:
+    def _copy_hold(self, replica_id: str, held: HeldPrefix, hold: Hold, expires_at: float) -> None:
         """Copy a hold the actor kept, unless taken lately. A hold this copy has already (recorded here before the
         actor answered, or delivered twice) stays as it is: the entry a turn of this ingress may have planned with."""
         if hold.hold_id not in self._gone:
-            self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens)
+            self._copy.record_held(replica_id, held, hold, expires_at)
 
     def _drop_hold(self, hold_id: HoldId) -> Hold | None:
         self._gone.append(hold_id)
@@ -155,16 +156,18 @@ class DirectoryMirror:
         Until the actor answers, the hold is offered here but only usable through this mirror: `consume_hold`
         waits for the answer; if the actor refused the hold, the copy drops it too.
         """
-        self._copy.record_hold(replica_id, key, hold, expires_at, prompt_tokens=prompt_tokens)
+        held = self._copy.held_prefix(key, hold.num_tokens, prompt_tokens=prompt_tokens)
+        self._copy.record_held(replica_id, held, hold, expires_at)
         task = asyncio.get_running_loop().create_task(
-            self._record_at_actor(replica_id, key, hold, expires_at, at_actor_after_s, prompt_tokens))
+            self._record_at_actor(replica_id, key, held, hold, expires_at, at_actor_after_s, prompt_tokens))
         self._pending[hold.hold_id] = task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
     async def _record_at_actor(
-        self, replica_id: str, key: PrefixKey, hold: Hold, expires_at: float, after_s: float, prompt_tokens: int,
+        self, replica_id: str, key: PrefixKey, held: HeldPrefix, hold: Hold, expires_at: float, after_s: float,
+        prompt_tokens: int,
     ) -> None:
         try:
             await asyncio.sleep(after_s)
@@ -179,7 +182,7 @@ class DirectoryMirror:
         if kept:
             # Follow the answer as the feed will: this copy may lack the hold (a snapshot replaced the copy meanwhile,
             # or it did not keep it), and the feed may have brought it already (a loaded machine: kept as it is).
-            self._copy_hold(replica_id, key, hold, expires_at, prompt_tokens)
+            self._copy_hold(replica_id, held, hold, expires_at)
         else:  # refused by the actor: nobody can take it
             self._copy.consume_hold(hold.hold_id)
 

@@ -4,17 +4,30 @@ what it accounts for its `max_bytes` bound covers them."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import pickle
 import time
 import tracemalloc
 
+from actors.kv_directory import KVDirectoryActor
+from actors.replica_api import ReplicaIdentity, ReplicaStats
 from benchmarks.directory import fleet_load
 from kvtransfer.directory_index.index import KVDirectory
+from kvtransfer.directory_index.results import StoreResident
+from kvtransfer.prefix_key import PrefixKey, Scope
+from kvtransfer.types import Hold, HoldId
 
 # This load measured 115 traced bytes per block (accounted: 1.26 times that), and 1M blocks of the same shape under
 # `python -m benchmarks.directory --parts fleet_memory` 119; the bound leaves about 1.3 times that. A Node object per
 # block, or 32 bits of reference count per replica index, exceeds it (the layout before measured 442 here).
 MAX_BYTES_PER_BLOCK = 160
+# The actor with its change feed on a load shaped like `benchmarks.control_plane`'s (3,840-token first turns, each
+# leaving a hold, two heartbeats a turn): 164 traced bytes per block, the directory's own ~118 and its last updates;
+# a feed that kept each hold's key (the history's token ids) and a copy of the identity per beat measured 245.
+MAX_ACTOR_BYTES_PER_BLOCK = 200
+STATS = ReplicaStats(replica_id="r", running=1, waiting=0, kv_cache_usage=0.5, prefix_cache_hit_rate=0.5,
+                     prefill_tok_s=1e4, decode_tok_s=100.0, requests_finished=7)
 
 
 def test_a_fleet_shaped_directory_stays_under_its_bytes_per_block() -> None:
@@ -34,3 +47,41 @@ def test_a_fleet_shaped_directory_stays_under_its_bytes_per_block() -> None:
     assert per_block < MAX_BYTES_PER_BLOCK, f"{per_block:.1f} bytes per block"
     assert used <= stats.bytes <= 1.4 * used, f"accounted {stats.bytes} bytes for {used} traced"
     directory.check_integrity()
+
+
+def test_the_directory_actor_with_its_change_feed_stays_under_its_bytes_per_block() -> None:
+    """The actor keeps its last updates for the mirrors: a hold there carries what the directory keeps of it (its
+    blocks' hashes and partial block), not the history's token ids, and a replica's beats share its identity."""
+    scope = Scope("m", "t")
+    identities = [ReplicaIdentity(replica_id=f"r{i}", engine_id=f"e{i}", nixl_host=None, nixl_port=None, node_id="n",
+                                  pid=i, cpu_cores=None, model="m", fast_prefill=True, block_size=16) for i in range(8)]
+
+    async def load(actor: KVDirectoryActor) -> None:
+        for c in range(200):
+            rep = identities[c % len(identities)]
+            tokens = [(c * 7919 + i * 104729) % 50_000 for i in range(3_844)]  # a 3,840-token turn and its reply
+            key = PrefixKey.build(tokens, scope, 16)
+            ops, key = pickle.loads(pickle.dumps(([StoreResident(None, key.block_hashes)], key)))  # as Ray delivers
+            await actor.apply_resident(rep.replica_id, ops)
+            hold = Hold(engine_id=rep.engine_id, host="127.0.0.1", port=0, block_ids=[[240]], num_tokens=3_844,
+                        hold_id=HoldId(rep.engine_id, c), request_id=f"req-{c}")
+            await actor.record_hold(rep.replica_id, key, hold, time.time() + 3600, prompt_tokens=3_840)
+            if c >= 10:
+                await actor.consume_hold(HoldId(identities[(c - 10) % len(identities)].engine_id, c - 10))
+            for beat in range(2):
+                await actor.heartbeat(pickle.loads(pickle.dumps(identities[(c + beat) % len(identities)])), STATS)
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        actor = KVDirectoryActor(block_size=16, max_entries=10**9, max_bytes=2**62)
+        asyncio.run(load(actor))
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    stats = asyncio.run(actor.stats())
+    assert stats.resident_blocks == 200 * 240 and stats.holds == 10 and stats.feed_seq == 200 * 5 - 10
+    per_block = used / stats.resident_blocks
+    assert per_block < MAX_ACTOR_BYTES_PER_BLOCK, f"{per_block:.1f} bytes per block"

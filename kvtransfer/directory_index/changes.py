@@ -9,7 +9,7 @@ in parts with `snapshot_part`).
 Updates are plain tuples whose first field names them:
     ("beat", identity, stats)        a replica's heartbeat
     ("leave", replica_id)            a replica left, was swept or failed a pull: forget all it holds
-    ("hold", replica_id, key, hold, expires_at, prompt_tokens)   a recorded hold (named by `hold.hold_id`)
+    ("hold", replica_id, held, hold, expires_at)   a recorded hold (named by `hold.hold_id`; `held`: a `HeldPrefix`)
     ("consume", hold_id)             a hold was pulled or released
     ("resident", replica_id, ops)    prefix-cache events applied for a replica
 
@@ -61,9 +61,10 @@ class ChangeLog:
     """
 
     # Mirrors long-poll without pause, so the log only has to cover a mirror's brief lag; one that falls further
-    # behind starts over from a snapshot. With room for 100,000 updates (a hold carries its prefix's block hashes, a
-    # few KB) the directory grew by about 5 MiB a minute under `benchmarks.soak`'s load, and would have for about an
-    # hour more before the log was full.
+    # behind starts over from a snapshot. What it keeps counts in the directory actor's memory: under
+    # `benchmarks.control_plane`'s load (3,840-token first turns on 64 replicas) a full log added about 60 bytes per
+    # directory block while each hold carried its key's token ids, 25 with the hold's block hashes only (a hold of a
+    # long history still brings a few KB).
     def __init__(self, limit: int = 10_000) -> None:
         self.seq = 0
         self._entries: deque[tuple[int, tuple]] = deque(maxlen=limit)

@@ -27,7 +27,7 @@ from kvtransfer.directory_index.records import (
     new_tuple,
     union,
 )
-from kvtransfer.directory_index.results import RecordResult
+from kvtransfer.directory_index.results import HeldPrefix, RecordResult
 from kvtransfer.prefix_key import TOKEN_BYTES, BlockHash, PrefixKey, Scope
 from kvtransfer.types import Hold, HoldId, HoldOffer
 
@@ -53,26 +53,45 @@ class HoldIndex(ChainIndex):
         prompt of the turn that left the hold (the rest its reply), so that `continues` knows a next turn of its
         conversation even where the reply's tokens come back different (0: unknown).
         """
+        held = self.held_prefix(key, hold.num_tokens, scope=scope, prompt_tokens=prompt_tokens)
+        return self.record_held(replica_id, held, hold, expires_at)
+
+    def held_prefix(
+        self, key: PrefixKey | Sequence[int], num_tokens: int, *, scope: Scope | tuple[str, str] | None = None,
+        prompt_tokens: int = 0,
+    ) -> HeldPrefix:
+        """What recording a hold of the first `num_tokens` tokens of `key` keeps of them (see `record_hold`)."""
         key = self._as_key(key, scope)
-        now = self._purge_expired()
-        num_tokens = hold.num_tokens
         if not 0 <= num_tokens <= key.num_tokens:
             raise ValueError(f"num_tokens={num_tokens} is outside the key's {key.num_tokens} tokens")
+        full = num_tokens // self.block_size
+        tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
+        prompt_end = key.prompt_end(min(prompt_tokens, full * self.block_size + 1))  # within the hold's full blocks
+        return HeldPrefix(key.hashes[: full * H], tail, prompt_end)
+
+    def record_held(self, replica_id: str, held: HeldPrefix, hold: Hold, expires_at: float) -> RecordResult:
+        """`record_hold` for a hold whose tokens are already reduced to what the directory keeps of them (how the
+        directory actor's change feed carries a hold to the mirrors)."""
+        num_tokens = hold.num_tokens
+        full = len(held.hashes) // H
+        if full * self.block_size + len(held.tail) // TOKEN_BYTES != num_tokens or len(held.tail) >= (
+            self.block_size * TOKEN_BYTES
+        ):
+            raise ValueError(f"the held prefix does not cover the hold's {num_tokens} tokens")
+        now = self._purge_expired()
         hold_id = hold.hold_id
         if hold_id in self._holds:
             return RecordResult(True, 0, 0)
-        full = num_tokens // self.block_size
         if full == 0 or not self._offerable(expires_at, now):
             return RecordResult(False, 0, 0)
         rep = self._replica(replica_id)
-        tail = key.tokens[full * self.block_size * TOKEN_BYTES : num_tokens * TOKEN_BYTES]
-        end = key.block_hash(full - 1)
-        prompt_end = key.prompt_end(min(prompt_tokens, full * self.block_size + 1))  # within the hold's full blocks
+        tail, prompt_end = held.tail, held.prompt_end
+        end = held.hashes[-H:]
         nbytes = HOLD_BYTES + alloc(tail) + deep_size(hold) + (PROMPT_END_BYTES if prompt_end is not None else 0)
         record = HoldRecord(hold_id, rep.index, end, num_tokens, tail, hold, expires_at, nbytes, prompt_end)
         if prompt_end is not None:
             self._prompt_ends[prompt_end] = self._prompt_ends.get(prompt_end, 0) + 1
-        created = self._acquire_hold(key.hashes, full, rep)
+        created = self._acquire_hold(held.hashes, full, rep)
         node = self._nodes[end]
         assert type(node) is Node  # a held block has a full Node
         if node.ends is None:

@@ -15,6 +15,16 @@ class RecordResult(NamedTuple):
     evicted_chains: int
 
 
+class HeldPrefix(NamedTuple):
+    """What the directory keeps of the tokens a hold covers, all that recording it needs: the chained hashes of its full
+    blocks, the token ids of its partial last block (packed as `PrefixKey.tokens` is), and where the prompt of the turn
+    that left it ended (`PrefixKey.prompt_end`; None if unknown). `KVDirectory.held_prefix` builds one from a key."""
+
+    hashes: bytes
+    tail: bytes
+    prompt_end: BlockHash | None
+
+
 class StoreResident(NamedTuple):
     """A replica's prefix cache stored these consecutive blocks after `parent` (None: from block one)."""
 
