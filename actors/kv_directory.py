@@ -49,8 +49,7 @@ class KVDirectoryActor:
         self._sweep()
         self._departed.pop(identity.replica_id, None)
         new = self._replicas.heartbeat(identity, stats)
-        # The registered identity: every beat of a replica in the log shares one copy while it does not change.
-        self._log.append(("beat", self._replicas.identity(identity.replica_id), stats))
+        self._log.append(("beat", identity.replica_id))  # an answer brings the replica's latest report (`changes`)
         return new
 
     async def deregister(self, replica_id: str) -> None:
@@ -121,8 +120,21 @@ class KVDirectoryActor:
             live = list(zip(self._replicas.identities(), self._replicas.live(), strict=True))
             return Changes(self._directory.epoch, seq, [], len(self._snapshot.parts), live)
         await self._log.wait(since, wait_s)
-        updates = self._log.after(since)
-        return Changes(self._directory.epoch, since + len(updates), updates)
+        updates, first_at = self._log.after(since)
+        return Changes(self._directory.epoch, since + len(updates), self._with_reports(updates), first_at=first_at)
+
+    def _with_reports(self, updates: list[tuple]) -> list[tuple]:
+        """`updates` with each replica's beats as one ("beat", identity, stats) of its latest report, where its last
+        beat among them is; a replica that has left since brings none (its "leave" follows). The log keeps only which
+        replica beat: a report is a few KB, and beats are most of the log under load."""
+        last = {update[1]: i for i, update in enumerate(updates) if update[0] == "beat"}
+        answer = []
+        for i, update in enumerate(updates):
+            if update[0] != "beat":
+                answer.append(update)
+            elif last[update[1]] == i and (report := self._replicas.report(update[1])) is not None:
+                answer.append(("beat", *report))
+        return answer
 
     async def snapshot_part(self, epoch: str, seq: int, index: int) -> bytes | None:
         """Part `index` of the snapshot taken at (`epoch`, `seq`); None once a newer one replaced it."""

@@ -31,8 +31,7 @@ class ReplicaRegistry:
         new = identity.replica_id not in self._seen
         self._seen[identity.replica_id] = self._clock()
         self._stats[identity.replica_id] = stats
-        if self._identity.get(identity.replica_id) != identity:
-            self._identity[identity.replica_id] = identity
+        self._identity[identity.replica_id] = identity
         return new
 
     def remove(self, replica_id: str) -> bool:
@@ -53,9 +52,10 @@ class ReplicaRegistry:
         """The latest stats of every replica that reported recently, sorted by id (read only)."""
         return [self._stats[rid] for rid in sorted(self._stats)]
 
-    def identity(self, replica_id: str) -> ReplicaIdentity:
-        """The identity `replica_id` registered with (one object while it reports the same)."""
-        return self._identity[replica_id]
+    def report(self, replica_id: str) -> tuple[ReplicaIdentity, ReplicaStats] | None:
+        """The identity and latest stats of a registered replica; None if it is not registered (read only)."""
+        identity = self._identity.get(replica_id)
+        return None if identity is None else (identity, self._stats[replica_id])
 
     def identities(self) -> list[ReplicaIdentity]:
         return [self._identity[rid] for rid in sorted(self._identity)]

@@ -49,6 +49,8 @@ class DirectoryMirror:
         self.updates_applied = 0
         self.answers = 0  # of the feed: each is a Serve call this process makes
         self.resyncs = 0
+        # Per answer that brought updates: how long after the actor logged the first of them this copy applied it.
+        self.lags_ms: deque[float] = deque(maxlen=1024)
         self._copy = KVDirectory(block_size)
         self._replicas = ReplicaRegistry(dead_after_s)
         self._gone: deque[HoldId] = deque(maxlen=4096)  # holds consumed lately (a late copy is skipped)
@@ -93,6 +95,8 @@ class DirectoryMirror:
             self.resyncs += 1
         for update in changes.updates:
             self._apply(update)
+        if changes.first_at is not None:
+            self.lags_ms.append((time.time() - changes.first_at) * 1e3)
         self.updates_applied += len(changes.updates)
         self.epoch, self.seq = changes.epoch, changes.seq
 
@@ -211,6 +215,15 @@ class DirectoryMirror:
     def stats(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch, "seq": self.seq, "answers": self.answers, "updates_applied": self.updates_applied,
-            "resyncs": self.resyncs,
+            "resyncs": self.resyncs, "lag_ms": quantiles_ms(self.lags_ms),
             "holds": self._copy.stats().holds, "replicas": len(self._replicas.live()), "at": time.time(),
         }
+
+
+def quantiles_ms(samples: deque[float]) -> dict[str, float | int] | None:
+    """p50, p99 and max of recent lags (None before the first)."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return {"p50": round(ordered[len(ordered) // 2], 2), "p99": round(ordered[int(len(ordered) * 0.99)], 2),
+            "max": round(ordered[-1], 2), "samples": len(ordered)}

@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         "plan_cpu_ms_p50": round(stats["plan_cpu_ms"]["p50"], 3),
         "plan_cpu_ms_p99": round(stats["plan_cpu_ms"]["p99"], 3),
         "feed_lag_ms_p50": round(pct(lags, 0.5), 1) if lags else None,
+        # The feed's part of that lag: the actor logging an update to the mirror applying it (the mirror's last 1,024
+        # answers that brought updates, the end of the run); the rest is the replica's events reaching the actor.
+        "feed_lag_actor_to_mirror_ms": stats["mirror"]["lag_ms"],
         "feed_lag_probes": len(lags), "feed_lag_probe_misses_over_5s": run["probe_misses"],
         "feed_lag_measures": "a round-robin turn's end at the driver to the ingress planning its follow-up as a local "
                              "hit on that replica (Ingress.plan polled every ~2 ms through Ray: an upper bound)",

@@ -10,6 +10,7 @@ from typing import Any
 
 from actors.replica_api import ReplicaIdentity, ReplicaStats
 from app.directory_mirror import DirectoryMirror
+from kvtransfer.directory_index.changes import Changes
 from kvtransfer.directory_index.results import StoreResident
 from tests.conftest import make_hold
 from tests.test_kv_directory_actor import BS, key
@@ -46,6 +47,7 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
         await directory.apply_resident.remote("r2", [StoreResident(None, conv.block_hashes[:2])])
         await until(lambda: len(mirror.lookup(conv.extend([9])).matches) == 2)
         assert [r.replica_id for r in mirror.live()] == ["r1", "r2"]
+        assert mirror.stats()["lag_ms"]["samples"] >= 1  # the feed says when the actor logged what it brings
         local = mirror.lookup(conv.extend([9]))
         assert local.get("r1").hold.num_tokens == 16 and local.get("r2").cached_tokens == 8
         remote = await directory.lookup.remote(conv.extend([9]))
@@ -65,6 +67,15 @@ def test_the_mirror_sees_what_others_record_and_plans_locally(directory: Any) ->
         assert [r.replica_id for r in mirror.live()] == ["r1"]
 
     asyncio.run(scenario())
+
+
+def test_the_mirror_reports_how_far_behind_the_actor_it_applies_updates() -> None:
+    mirror = DirectoryMirror(None, BS)
+    assert mirror.stats()["lag_ms"] is None
+    mirror.apply(Changes("epoch", 1, [("leave", "r1")], first_at=time.time() - 0.25))
+    mirror.apply(Changes("epoch", 1, []))  # an idle poll's empty answer is no sample
+    lag = mirror.stats()["lag_ms"]
+    assert lag["samples"] == 1 and 250 <= lag["p50"] < 5_000
 
 
 def test_a_hold_is_handed_out_once_across_mirrors(directory: Any) -> None:
@@ -169,5 +180,27 @@ def test_a_mirror_resyncs_after_the_directory_restarts(ray_cluster: Any, directo
         assert mirror.resyncs == 2
         await directory.record_hold.remote("r2", conv, make_hold(8, "e2"), time.time() + 3600)
         await until(lambda: mirror.lookup(conv).get("r2") is not None)
+
+    asyncio.run(scenario())
+
+
+def test_the_feed_brings_each_replica_s_latest_report_once_and_none_for_a_replica_gone() -> None:
+    from actors.kv_directory import KVDirectoryActor
+
+    async def scenario() -> None:
+        actor = KVDirectoryActor(block_size=BS)
+        first = await actor.changes(None, 0, 0.0)  # a new mirror starts from a snapshot
+        for running in (1, 2, 3):
+            await actor.heartbeat(identity("r1"), stats("r1").model_copy(update={"running": running}))
+        await actor.heartbeat(identity("r2"), stats("r2"))
+        await actor.deregister("r2")
+        answer = await actor.changes(first.epoch, first.seq, 0.0)
+        assert answer.seq == first.seq + 5  # every update counts, however the answer carries it
+        assert [(u[0], u[1].replica_id, u[2].running) if u[0] == "beat" else u for u in answer.updates] == [
+            ("beat", "r1", 3), ("leave", "r2")]
+        mirror = DirectoryMirror(None, BS)
+        mirror.apply(first)
+        mirror.apply(answer)
+        assert [(r.replica_id, r.running) for r in mirror.live()] == [("r1", 3)]
 
     asyncio.run(scenario())

@@ -7,7 +7,8 @@ is new, behind the log's window, or the directory restarted (another epoch), a s
 in parts with `snapshot_part`).
 
 Updates are plain tuples whose first field names them:
-    ("beat", identity, stats)        a replica's heartbeat
+    ("beat", identity, stats)        a replica's heartbeat (the log keeps ("beat", replica_id); an answer brings the
+                                     replica's latest report, once, at its last beat in the answer)
     ("leave", replica_id)            a replica left, was swept or failed a pull: forget all it holds
     ("hold", replica_id, held, hold, expires_at)   a recorded hold (named by `hold.hold_id`; `held`: a `HeldPrefix`)
     ("consume", hold_id)             a hold was pulled or released
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -39,6 +41,8 @@ class Changes(NamedTuple):
     # (`snapshot_part`), and the live replicas' (identity, stats).
     snapshot_parts: int = 0
     live: list[tuple[Any, Any]] | None = None
+    # When the actor logged the first of `updates` (its wall clock; None if there are none): a mirror's lag behind it.
+    first_at: float | None = None
 
 
 class Snapshot(NamedTuple):
@@ -67,12 +71,12 @@ class ChangeLog:
     # long history still brings a few KB).
     def __init__(self, limit: int = 10_000) -> None:
         self.seq = 0
-        self._entries: deque[tuple[int, tuple]] = deque(maxlen=limit)
+        self._entries: deque[tuple[int, float, tuple]] = deque(maxlen=limit)  # (seq, when appended, update)
         self._next: asyncio.Future | None = None
 
     def append(self, update: tuple) -> int:
         self.seq += 1
-        self._entries.append((self.seq, update))
+        self._entries.append((self.seq, time.time(), update))
         if self._next is not None and not self._next.done():
             self._next.set_result(None)
         return self.seq
@@ -82,10 +86,11 @@ class ChangeLog:
         first = self._entries[0][0] if self._entries else self.seq + 1
         return since <= self.seq and since >= first - 1
 
-    def after(self, since: int, limit: int = MAX_UPDATES) -> list[tuple]:
-        """Updates with sequence numbers in (since, since + limit]; `covers(since)` must hold."""
-        newer = list(itertools.islice(reversed(self._entries), self.seq - since))
-        return [update for _, update in reversed(newer[-limit:])]
+    def after(self, since: int, limit: int = MAX_UPDATES) -> tuple[list[tuple], float | None]:
+        """Updates with sequence numbers in (since, since + limit], and when the first was appended (None if there
+        are none); `covers(since)` must hold."""
+        newer = list(itertools.islice(reversed(self._entries), self.seq - since))[-limit:]
+        return [update for _, _, update in reversed(newer)], newer[-1][1] if newer else None
 
     async def wait(self, since: int, timeout_s: float) -> None:
         """Return once there is an update after `since`, or after `timeout_s`."""
