@@ -64,6 +64,42 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def object_bytes(holder: str, attributes: tuple[str, ...]) -> Any:
+    """Run in a Serve replica's process (`__ray_call__`): the bytes CPython allocated for the objects reachable from
+    each named attribute of the process's one `holder` instance (the mirror's copy of the directory, the actor's
+    directory and change log), each object counted once, rounded up as pymalloc does. What the process's RSS adds
+    beyond them is the heap's growth around them (allocator arenas, serving's transient objects), not their size."""
+    import gc
+    import sys
+    import types
+
+    owner = next(o for o in gc.get_objects() if type(o).__name__ == holder)
+    opaque = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+    seen: set[int] = set()
+    sizes = {}
+    for name in attributes:
+        total, stack = 0, [getattr(owner, name)]
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen or isinstance(obj, opaque):
+                continue
+            seen.add(id(obj))
+            total += (sys.getsizeof(obj) + 15) & ~15
+            stack.extend(gc.get_referents(obj))
+        sizes[name] = total
+    return sizes
+
+
+def replica_object_bytes(deployment: str, holder: str, attributes: tuple[str, ...]) -> dict[str, int]:
+    import ray
+    from ray._private.state import actors
+
+    name = next(a["Name"] for a in actors(actor_state_name="ALIVE").values()
+                if a["ActorClassName"].endswith(f":{deployment}"))
+    actor = ray.get_actor(name, namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda _replica: object_bytes(holder, attributes)))
+
+
 def maps_library(pid: int, name: str) -> bool:
     return name in Path(f"/proc/{pid}/maps").read_text()
 
@@ -257,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         before = {role: rss(pid) for role, pid in pids.items()}
         run = asyncio.run(load_and_measure(app, args, guard))
         after = {role: rss(pid) for role, pid in pids.items()}
+        objects = {"mirror": replica_object_bytes("ingress", "DirectoryMirror", ("_copy",)),
+                   "kv_directory": replica_object_bytes("kv_directory", "KVDirectoryActor", ("_directory", "_log"))}
     finally:
         guard.stop()
         stop_app(app)
@@ -294,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         "events_per_s_measures": "net resident blocks the directory added per second of load (block hashes of the "
                                  "replicas' BlockStored events, less any BlockRemoved)",
         "mirror_mb_measures": "growth of the ingress replica's process RSS while loading, which holds the mirror",
+        # What those processes' RSS growth is made of: the bytes of the objects the mirror's copy, and the actor's
+        # directory and change log, hold at the end (`object_bytes`), per 1M blocks.
+        "objects_mb_per_m_blocks": {role: {name: round(n / MB / (blocks / 1e6), 1) for name, n in found.items()}
+                                    for role, found in objects.items()},
         "load": {"turns": run["load_turns"], "seconds": round(run["load_s"], 1),
                  "turns_per_s": round(run["load_turns"] / run["load_s"], 1)},
         "follow_ups": {"turns": run["follow_up_turns"], "seconds": round(run["follow_up_s"], 1)},
