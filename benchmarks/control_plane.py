@@ -73,6 +73,7 @@ def object_bytes(holder: str, attributes: tuple[str, ...]) -> Any:
     import sys
     import types
 
+    gc.unfreeze()  # Serve freezes what a replica made at start (its mirror too) out of gc.get_objects()' sight
     owner = next(o for o in gc.get_objects() if type(o).__name__ == holder)
     opaque = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
     seen: set[int] = set()

@@ -85,3 +85,21 @@ def test_the_directory_actor_with_its_change_feed_stays_under_its_bytes_per_bloc
     assert stats.resident_blocks == 200 * 240 and stats.holds == 10 and stats.feed_seq == 200 * 5 - 10
     per_block = used / stats.resident_blocks
     assert per_block < MAX_ACTOR_BYTES_PER_BLOCK, f"{per_block:.1f} bytes per block"
+
+
+def test_a_block_whose_hold_came_before_its_event_keeps_one_hash_object() -> None:
+    """An ingress records its turn's hold at once; the replica's event for the same blocks comes later, with its own
+    copies of the hashes. Once the hold is taken, each block is one replica's cache entry again, under one object."""
+    directory = KVDirectory(16, max_entries=10**9, max_bytes=2**62)
+    for c in range(40):
+        tokens = [(c * 7919 + i * 104729) % 50_000 for i in range(644)]
+        key = PrefixKey.build(tokens, Scope("m", "t"), 16)
+        hold = Hold(engine_id="e", host="127.0.0.1", port=0, block_ids=[[40]], num_tokens=644, hold_id=HoldId("e", c))
+        directory.record_hold(f"r{c % 4}", key, hold, time.time() + 3600, prompt_tokens=640)
+        directory.apply_resident(f"r{c % 4}", pickle.loads(pickle.dumps([StoreResident(None, key.block_hashes)])))
+        directory.consume_hold(HoldId("e", c))
+    directory.check_integrity()
+    segments = [s for s in directory._lru.values() if type(s).__name__ == "Segment"]
+    objects = {id(h) for h in directory._nodes} | {id(h) for s in segments for h in s.hashes}
+    assert len(directory._nodes) == directory.stats().resident_blocks == 40 * 40
+    assert len(objects) == 40 * 40

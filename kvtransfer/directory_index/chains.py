@@ -150,7 +150,10 @@ class ChainIndex:
             return hint  # a hole
         position = seg.position(key, hint[1] if seg is hint[0] else -1)
         seg.refs[position] = node.rrefs
-        self._nodes[key] = seg
+        # Keyed by the segment's own hash object again: a node made before the replica's event came (a hold recorded
+        # first) has another, and assigning to an existing key would keep both alive (64 bytes a block).
+        del self._nodes[key]
+        self._nodes[seg.hashes[position]] = seg
         self._bytes -= FULL_NODE_BYTES + RESIDENT_NODE_BYTES
         return seg, position
 
