@@ -59,7 +59,21 @@ def write_dataset(path: Path, conversations: list[Conversation], config: BenchCo
 
 
 def aiperf_command(aiperf: Path, base_url: str, model: str, tokenizer_dir: Path, dataset: Path, artifacts: Path,
-                   policy: str, api_key: str, config: BenchConfig, conversations: int, seed: int) -> list[str]:
+                   policy: str, api_key: str, config: BenchConfig, conversations: int, seed: int,
+                   request_rate: float | None = None) -> list[str]:
+    """aiperf's command line for one run. Closed loop by default: `config.concurrency` conversations at a time, each
+    turn sent as the one before it ends. `request_rate`: open loop instead, turns sent at that many per second on
+    average (Poisson arrivals; a conversation's next turn waits for its answer and then for a slot in the schedule),
+    so every policy serves the same offered load; in the closed loop a policy that answers sooner is sent more."""
+    if request_rate is None:
+        # Without a rate, aiperf's timing process busy-waits for a free concurrency slot: a whole core here, taken
+        # from the engines. A slot check every 10 ms costs nothing measurable and delays a turn's send by <= 10 ms
+        # (TTFT is timed from the send).
+        pacing = ["--concurrency", str(config.concurrency), "--request-rate", str(SLOT_CHECKS_PER_S),
+                  "--arrival-pattern", "constant"]
+    else:
+        pacing = ["--concurrency", str(conversations), "--request-rate", f"{request_rate:g}",
+                  "--arrival-pattern", "poisson"]
     osl_mean = (config.output_tokens.min + config.output_tokens.max) / 2
     # The standard deviation of the uniform span the built-in client draws from.
     osl_stddev = (config.output_tokens.max - config.output_tokens.min) / math.sqrt(12)
@@ -69,11 +83,7 @@ def aiperf_command(aiperf: Path, base_url: str, model: str, tokenizer_dir: Path,
         "--url", base_url, "--endpoint-type", "chat", "--streaming",
         "--api-key", api_key, "--header", f"x-kvrelay-policy:{policy}", "--session-header", "x-session-id",
         "--input-file", str(dataset), "--custom-dataset-type", "multi_turn",
-        "--conversation-num", str(conversations), "--concurrency", str(config.concurrency),
-        # Without a rate, aiperf's timing process busy-waits for a free concurrency slot: a whole core here, taken
-        # from the engines. A slot check every 10 ms costs nothing measurable and delays a turn's send by <= 10 ms
-        # (TTFT is timed from the send).
-        "--request-rate", str(SLOT_CHECKS_PER_S), "--arrival-pattern", "constant",
+        "--conversation-num", str(conversations), *pacing,
         "--output-tokens-mean", f"{osl_mean:g}", "--output-tokens-stddev", f"{osl_stddev:.2f}",
         "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
         "--request-timeout-seconds", f"{config.request_timeout_s:g}",
@@ -134,6 +144,7 @@ def summary_of(export: dict[str, Any]) -> dict[str, Any]:
         "ttft_ms": {q: ttft.get(q) for q in ("p50", "p90", "p99")} | {"mean": ttft.get("avg")},
         "inter_token_latency_ms_p50": (export.get("inter_token_latency") or {}).get("p50"),
         "request_latency_ms_p50": (export.get("request_latency") or {}).get("p50"),
+        "request_throughput_rps": (export.get("request_throughput") or {}).get("avg"),
         "requests": int(count or 0),
         "errors": int(errors or 0),
         "unit": ttft.get("unit"),

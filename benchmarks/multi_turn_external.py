@@ -5,6 +5,7 @@ NVIDIA's aiperf drives each policy against an app of its own, started as `make s
     make aiperf   # once: aiperf in .venv-aiperf
     python -m benchmarks.multi_turn_external --out benchmarks/results/multi_turn_external.json [--quick]
         [--config FILE] [--policies prefix_affinity,kvrelay] [--runs 2] [--conversations N] [--aiperf PATH]
+        [--request-rate R]
 
 For each run r and each policy (forward order on even runs, reversed on odd ones): start the app
 (`benchmarks.served`: the committed serve_config.yaml with the Makefile's environment), wait for `make serve`'s
@@ -14,6 +15,11 @@ aiperf's settings are `benchmarks.aiperf_multi_turn`'s (run r: the workload's se
 no warm-up beyond the app's own start-up calibration. Each policy's TTFT p50 and p90 is the median over its runs of
 aiperf's own per-run figures. aiperf's raw export gives each turn's plan (the last chunk's `kvrelay` object), so
 kvrelay's turns are compared with prefix affinity's on the same conversation and turn, by the mode kvrelay chose.
+
+Closed loop by default (aiperf's concurrency mode: `concurrency` conversations at a time, each turn sent when the one
+before it is answered), where a policy that answers sooner is sent more requests a second, so its TTFT is measured
+under more load; each run's request throughput is recorded beside it. `--request-rate R`: open loop, turns sent at
+R a second on average (Poisson), the same offered load for every policy, as serving benchmarks compare systems.
 """
 
 from __future__ import annotations
@@ -148,7 +154,8 @@ def one_run(args: argparse.Namespace, config: Any, model: str, tokenizer_dir: Pa
         time.sleep(config.settle_s)
         artifacts = folder / "aiperf"
         command = aiperf_command(args.aiperf, served.base, model, tokenizer_dir, dataset, artifacts, policy,
-                                 f"external-r{run}-{policy}", config, conversations, config.seed + run)
+                                 f"external-r{run}-{policy}", config, conversations, config.seed + run,
+                                 args.request_rate)
         print(f"run {run} {policy}: app ready in {ready_s:.0f} s; aiperf over {conversations} conversations",
               flush=True)
         aiperf_started = time.monotonic()
@@ -171,7 +178,8 @@ def one_run(args: argparse.Namespace, config: Any, model: str, tokenizer_dir: Pa
         "processes_left_after_stop": len(left), "artifacts": str(folder),
     }
     t = summary["ttft_ms"]
-    print(f"run {run} {policy}: TTFT p50 {t['p50']:.1f} ms, p90 {t['p90']:.1f} ms, {summary['requests']} requests, "
+    print(f"run {run} {policy}: TTFT p50 {t['p50']:.1f} ms, p90 {t['p90']:.1f} ms, {summary['requests']} requests "
+          f"at {summary['request_throughput_rps'] or 0:.3f}/s, "
           f"{summary['errors']} errors, modes {figures['modes']}, per replica {figures['requests_per_replica']}, "
           f"aiperf {aiperf_s:.0f} s", flush=True)
     return figures, turns
@@ -188,8 +196,13 @@ def summarize(policies: list[str], runs: list[dict[str, Any]]) -> dict[str, Any]
         mine = [r for r in runs if r["policy"] == policy]
         by_policy[policy] = {
             "ttft_ms": {q: percentile([r["ttft_ms"][q] for r in mine], 0.5) for q in ("p50", "p90")},
+            # What the TTFT was measured under: in the closed loop, each policy's own pace.
+            "request_throughput_rps": percentile([r.get("request_throughput_rps") or 0.0 for r in mine], 0.5),
+            "inter_token_latency_ms_p50": percentile([r.get("inter_token_latency_ms_p50") or 0.0 for r in mine], 0.5),
             "runs": [{"run": r["run"], **{q: round(r["ttft_ms"][q], 2) for q in ("p50", "p90", "p99", "mean")},
                       "requests": r["requests"], "errors": r["errors"], "modes": r["modes"],
+                      "request_throughput_rps": r.get("request_throughput_rps"),
+                      "inter_token_latency_ms_p50": r.get("inter_token_latency_ms_p50"),
                       "requests_per_replica": r["requests_per_replica"]} for r in mine],
         }
     result: dict[str, Any] = {"policies": by_policy}
@@ -200,7 +213,10 @@ def summarize(policies: list[str], runs: list[dict[str, Any]]) -> dict[str, Any]
             of = {r["policy"]: r["ttft_ms"] for r in runs if r["run"] == number}
             per_run.append({"run": number, **{q: ratio(of[BASELINE][q], of["kvrelay"][q]) for q in ("p50", "p90")}})
         result["ratio_vs_prefix_affinity"] = {q: ratio(base[q], ours[q]) for q in ("p50", "p90")} | {
-            "means": RATIO_MEANS, "per_run": per_run}
+            "means": RATIO_MEANS, "per_run": per_run,
+            # kvrelay's request throughput over prefix affinity's (above 1: kvrelay served more a second).
+            "request_throughput": ratio(by_policy["kvrelay"]["request_throughput_rps"],
+                                        by_policy[BASELINE]["request_throughput_rps"])}
         result["target_met"] = all((result["ratio_vs_prefix_affinity"][q] or 0) >= TARGET_RATIO for q in ("p50", "p90"))
     return result
 
@@ -233,6 +249,8 @@ def main() -> None:
                         help="fresh apps per policy (default 2)")
     parser.add_argument("--conversations", type=int, help="fewer conversations than the workload's (a trial)")
     parser.add_argument("--aiperf", type=Path, default=DEFAULT_AIPERF, help="the aiperf executable")
+    parser.add_argument("--request-rate", type=float, help="open loop: turns a second (Poisson), the same for every "
+                        "policy (default: closed loop at the workload's concurrency)")
     parser.add_argument("--artifacts", type=Path, help="where each app's logs and aiperf's artifacts go "
                         "(default: a new temp dir)")
     args = parser.parse_args()
@@ -269,7 +287,9 @@ def main() -> None:
     result = {
         "what": "TTFT as aiperf measures it in its multi-turn mode, a fresh app (`make serve`'s) per policy and run; "
                 "each policy's ttft_ms p50 and p90 are the medians over its runs of each run's own p50 and p90",
-        "driver": {"aiperf": aiperf_version(args.aiperf), "export_level": "raw"},
+        "driver": {"aiperf": aiperf_version(args.aiperf), "export_level": "raw",
+                   "arrival": "closed loop" if args.request_rate is None else "open loop",
+                   "request_rate": args.request_rate},
         "app": {"config": "serve_config.yaml", "model": model, "replicas": REPLICAS},
         "config": config.model_dump(exclude={"model", "num_replicas", "pool", "engine"}),
         **summarize(config.policies, runs),

@@ -118,7 +118,11 @@ SECTIONS: list[Section] = [
     Section("Multi-turn routing, external-style: a fresh app per policy", ("multi_turn_external.json",),
             "kvrelay against prefix affinity as an outside user measures them: aiperf's multi-turn mode against the "
             "app as `make serve` starts it, a fresh one per policy and run (`benchmarks.multi_turn_external`).",
-            render_external),
+            render_external("multi_turn_external.json")),
+    Section("Multi-turn routing, external-style, at one offered load", ("multi_turn_external_open_loop.json",),
+            "The same comparison with every policy sent the same turns a second "
+            "(`benchmarks.multi_turn_external --request-rate`).",
+            render_external("multi_turn_external_open_loop.json")),
     Section("A lone conversation", ("lone_conversation.json",),
             "One conversation on an idle fleet: whether it stays with its KV, and how close the estimates are.",
             render_lone),

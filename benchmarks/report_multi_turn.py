@@ -79,24 +79,36 @@ def render_aiperf(results: Results) -> list[str]:
         ["policy", "TTFT p50 (ms)", "p90", "p99", "mean", "inter-token p50 (ms)", "requests", "errors"], rows)
 
 
-def render_external(results: Results) -> list[str]:
-    data = results["multi_turn_external.json"]
-    config = data.get("config", {})
+def render_external(name: str) -> Callable[[Results], list[str]]:
+    """`benchmarks.multi_turn_external`'s result `name`: closed loop (aiperf's concurrency mode) or open loop."""
+    return lambda results: external_lines(results[name])
+
+
+def external_lines(data: dict[str, Any]) -> list[str]:
+    config, driver = data.get("config", {}), data.get("driver", {})
     rows = []
     for policy, p in data["policies"].items():
-        rows += [[policy, f"run {r['run']}", r["p50"], r["p90"], r.get("requests"), r.get("errors"),
+        rows += [[policy, f"run {r['run']}", r["p50"], r["p90"], r.get("request_throughput_rps"),
+                  r.get("inter_token_latency_ms_p50"), r.get("requests"), r.get("errors"),
                   ", ".join(f"{mode} {n}" for mode, n in r.get("modes", {}).items()),
                   " / ".join(str(n) for n in r.get("requests_per_replica", []))] for r in p["runs"]]
-        rows.append([policy, "median", p["ttft_ms"]["p50"], p["ttft_ms"]["p90"], None, None, "", ""])
-    lines = [f"{config.get('conversations')} conversations, concurrency {config.get('concurrency')}, driven by aiperf "
-             f"{data.get('driver', {}).get('aiperf', '?')}; each policy's p50 and p90 are medians over its runs.",
-             ""]
-    lines += table(["policy", "run", "TTFT p50 (ms)", "p90", "requests", "errors", "modes", "requests per replica"],
-                   rows, right_from=2)
+        rows.append([policy, "median", p["ttft_ms"]["p50"], p["ttft_ms"]["p90"], p.get("request_throughput_rps"),
+                     p.get("inter_token_latency_ms_p50"), None, None, "", ""])
+    if driver.get("request_rate"):
+        pacing = f"open loop: turns sent at {fmt(driver['request_rate'])} a second (Poisson), the same for every policy"
+    else:
+        pacing = (f"closed loop: {config.get('concurrency')} conversations at a time, each turn sent when the one "
+                  "before it is answered (a policy that answers sooner is sent more a second)")
+    lines = [f"{config.get('conversations')} conversations, {pacing}; driven by aiperf {driver.get('aiperf', '?')}; "
+             "each policy's figures are medians over its runs.", ""]
+    lines += table(["policy", "run", "TTFT p50 (ms)", "p90", "requests/s", "inter-token p50 (ms)", "requests",
+                    "errors", "modes", "requests per replica"], rows, right_from=2)
     ratio = data.get("ratio_vs_prefix_affinity")
     if ratio:
+        throughput = (f"; kvrelay's request throughput over prefix affinity's: {fmt(ratio['request_throughput'])}x"
+                      if ratio.get("request_throughput") else "")
         lines += ["", f"Prefix affinity's TTFT over kvrelay's: p50 {fmt(ratio['p50'])}x, p90 {fmt(ratio['p90'])}x "
-                      f"(target at least 0.97x: {'met' if data.get('target_met') else 'not met'})."]
+                      f"(target at least 0.97x: {'met' if data.get('target_met') else 'not met'}){throughput}."]
     keys = ("turns", "kvrelay_ttft_ms_sum", "prefix_affinity_ttft_ms_sum", "kvrelay_slower_by_10pct")
     for grouping, label, header in (("by_kvrelay_mode", "the mode it chose", "kvrelay's mode"),
                                     ("by_kvrelay_replica", "its replica", "kvrelay's replica (busiest first)")):
