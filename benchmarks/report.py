@@ -121,7 +121,9 @@ SECTIONS: list[Section] = [
             render_external("multi_turn_external.json")),
     Section("Multi-turn routing, external-style, at one offered load", ("multi_turn_external_open_loop.json",),
             "The same comparison with every policy sent the same turns a second "
-            "(`benchmarks.multi_turn_external --request-rate`).",
+            "(`benchmarks.multi_turn_external --request-rate`). Where one engine cannot serve that rate, prefix "
+            "affinity, which keeps every conversation sharing a system prompt on the replica that cached it first, "
+            "serves less than is sent (requests/s below the rate) and its queue grows for the whole run.",
             render_external("multi_turn_external_open_loop.json")),
     Section("A lone conversation", ("lone_conversation.json",),
             "One conversation on an idle fleet: whether it stays with its KV, and how close the estimates are.",

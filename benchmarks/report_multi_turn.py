@@ -105,9 +105,9 @@ def external_lines(data: dict[str, Any]) -> list[str]:
                     "errors", "modes", "requests per replica"], rows, right_from=2)
     ratio = data.get("ratio_vs_prefix_affinity")
     if ratio:
-        throughput = (f"; kvrelay's request throughput over prefix affinity's: {fmt(ratio['request_throughput'])}x"
+        throughput = (f"; kvrelay's request throughput over prefix affinity's: {ratio['request_throughput']:.2f}x"
                       if ratio.get("request_throughput") else "")
-        lines += ["", f"Prefix affinity's TTFT over kvrelay's: p50 {fmt(ratio['p50'])}x, p90 {fmt(ratio['p90'])}x "
+        lines += ["", f"Prefix affinity's TTFT over kvrelay's: p50 {ratio['p50']:.3f}x, p90 {ratio['p90']:.3f}x "
                       f"(target at least 0.97x: {'met' if data.get('target_met') else 'not met'}){throughput}."]
     keys = ("turns", "kvrelay_ttft_ms_sum", "prefix_affinity_ttft_ms_sum", "kvrelay_slower_by_10pct")
     for grouping, label, header in (("by_kvrelay_mode", "the mode it chose", "kvrelay's mode"),
