@@ -3,7 +3,6 @@ ingress has sent since (its own in flight now, and their arrival rates), as the 
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,21 +38,21 @@ class InFlight:
     def now(self) -> float:
         return self._clock()
 
-    def arrivals(self, replica_id: str, conversation: PrefixKey | None = None) -> int:
-        """Requests this ingress sent to the replica over the last RATE_WINDOW_S, not counting the earlier turns of
-        `conversation` (a turn's prompt): the traffic a placement of its next turn would slow is the other
-        conversations'. Counted with its own, a conversation living on the quieter of two busy engines saw its own
-        turns there as traffic its stay elsewhere would slow, and two engines holding two conversations each priced
-        staying and moving alike: both stayed busy side by side for the rest of those conversations."""
+    def arrival_rate(self, replica_id: str, conversation: PrefixKey | None = None) -> float:
+        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S, not counting the
+        earlier turns of `conversation` (a turn's prompt): the traffic a placement of its next turn would slow is
+        the other conversations'. Counted with its own, a conversation living on the quieter of two busy engines
+        saw its own turns there as traffic its stay elsewhere would slow, and two engines holding two conversations
+        each priced staying and moving alike: both stayed busy side by side for the rest of those conversations."""
         arrivals = self._arrivals.get(replica_id)
         if not arrivals:
-            return 0
+            return 0.0
         while arrivals and arrivals[0][0] < self._clock() - self.RATE_WINDOW_S:
             arrivals.popleft()
         count = len(arrivals)
         if conversation is not None:
             count -= sum(1 for _, end in arrivals if end is not None and conversation.has_block(end))
-        return count
+        return count / self.RATE_WINDOW_S
 
     def busy_share(self, replica_id: str, since: float, until: float) -> float:
         """The share of [since, until] (this clock) during which this ingress had a request in flight on the
@@ -95,7 +94,6 @@ class InFlight:
         """The planner's view of a replica for a turn whose prompt is `conversation`: others' requests as of its
         heartbeat, and this ingress's now; its arrival rate without the conversation's own turns."""
         mine = self._requests.get(stats.replica_id, {}).values()
-        arrivals = self.arrivals(stats.replica_id, conversation)
         seen_by_heartbeat = sum(
             1 for started, ended, _ in mine if started <= stats.at and (ended is None or ended > stats.at)
         )
@@ -109,6 +107,5 @@ class InFlight:
             decode_tok_s=stats.decode_tok_s,
             prefill_tokens=sum(prefilling),
             prefilling=len(prefilling),
-            arrival_rate=arrivals / self.RATE_WINDOW_S,
-            arrival_rate_std=math.sqrt(arrivals) / self.RATE_WINDOW_S,
+            arrival_rate=self.arrival_rate(stats.replica_id, conversation),
         )

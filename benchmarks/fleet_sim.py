@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable
 
@@ -145,12 +144,11 @@ class Fleet:
             arrivals = self._arrivals[e.replica_id]
             while arrivals and arrivals[0][0] < self.now - RATE_WINDOW_S:
                 arrivals.popleft()
-            count = sum(1 for _, c in arrivals if c != conv_id)
+            rate = sum(1 for _, c in arrivals if c != conv_id) / RATE_WINDOW_S
             step = e.last_step_ms if decoding and e.last_step_ms else None
             views.append(ReplicaView(e.replica_id, running=decoding, waiting=0,
                                      decode_tok_s=1e3 / step if step else None, prefill_tokens=backlog,
-                                     prefilling=waiting, arrival_rate=count / RATE_WINDOW_S,
-                                     arrival_rate_std=math.sqrt(count) / RATE_WINDOW_S))
+                                     prefilling=waiting, arrival_rate=rate))
         return with_busy_peers(views, {e.replica_id: e.node for e in self.engines}, self.cost.shared_compute)
 
     # ----- turns

@@ -23,9 +23,6 @@ class ReplicaView(NamedTuple):
     # Requests per second sent there lately by other conversations than the planned turn's: how many arrive while
     # a new turn's prefill holds it.
     arrival_rate: float = 0.0
-    # That rate's standard error: it counts a few arrivals in a window, a Poisson count (n arrivals: sqrt(n) / window).
-    # 0.0: the rate is known exactly.
-    arrival_rate_std: float = 0.0
     # Other replicas on the same node that are busy now (they share its CPUs), each as its own view (without peers).
     peers: tuple[ReplicaView, ...] = ()
 

@@ -41,8 +41,6 @@ class Option(NamedTuple):
     model_ms: float = 0.0
     # Delay this option imposes on other requests' first tokens: on its target, or on busy engines beside it.
     impact_ms: float = 0.0
-    # How far that delay could be off: the arrival rates it is priced from are counts of a few arrivals.
-    impact_uncertainty_ms: float = 0.0
     # What the conversation's later turns, which find their history on the target, will typically wait there.
     later_wait_ms: float = 0.0
 

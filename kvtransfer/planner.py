@@ -22,15 +22,12 @@ reports every estimate.
 from __future__ import annotations
 
 import logging
-import math
 from bisect import bisect_right
 from collections.abc import Callable, Collection, Sequence
 from itertools import accumulate
-from statistics import NormalDist
 from typing import NamedTuple
 
 from kvtransfer.cost_model import CostModel
-from kvtransfer.estimate_error import EstimateError
 from kvtransfer.load import ReplicaView
 from kvtransfer.options import Mode, Option, busy_target, contending_peers, fastest
 from kvtransfer.plan_prices import PlanPrices
@@ -42,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 # Engine steps a read of a hold adds before the reading request's prefill runs (`_read_wait_ms`).
 READ_STEPS = 1
-# An impact's uncertainty is its arrival rates' standard error times this: the normal quantile of |error| that the
-# estimate errors' spread is taken at, so that the stay rule adds like to like.
-RATE_Z = NormalDist().inv_cdf((1 + EstimateError.SPREAD_QUANTILE) / 2)
 
 
 class Plan(NamedTuple):
@@ -120,7 +114,7 @@ def _options(
         # (a later turn's move is the stay rule's: a transient queue would move it off a holder about to be idle).
         later = (impact.future * cost.typical_wait.marginal_ms(replica.replica_id)
                  if turn_index == 0 and founds_home else 0.0)
-        contending, on_busy, impact_of = contending_peers(replica, cost), busy_target(replica, cost), impact.on(replica)
+        contending, on_busy, impact_ms = contending_peers(replica, cost), busy_target(replica, cost), impact.on(replica)
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
         for reused in (cached, own) if own > cached else (cached,):
@@ -128,8 +122,8 @@ def _options(
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (cost.take_hold_ms + _read_wait_ms(replica, cost) if reused > cached else 0.0)
             options.append(Option(mode, replica.replica_id, None, reused, cached,
-                                  prices.corrected(mode, contending, ms, on_busy), own_hold, ms,
-                                  *impact_of(compute), later))
+                                  prices.corrected(mode, contending, ms, on_busy), own_hold, ms, impact_ms(compute),
+                                  later))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -140,7 +134,7 @@ def _options(
             rest = prices.recompute_ms(num_tokens - reused, reused, replica)
             ms = queue + cost.take_hold_ms + _read_wait_ms(replica, cost) + transfer + rest
             options.append(Option(Mode.PULL, replica.replica_id, hold.replica_id, reused, cached,
-                                  prices.corrected(Mode.PULL, contending, ms, on_busy), hold, ms, *impact_of(rest),
+                                  prices.corrected(Mode.PULL, contending, ms, on_busy), hold, ms, impact_ms(rest),
                                   later))
     return options
 
@@ -157,14 +151,13 @@ def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:
 
 
 class _BusyPeers:
-    """Sums over a set of busy engines beside a target, all that `_Impact` reads of them: their arrival rate (with
-    its standard error), and their requests waiting for a first token by how long the prefills queued there will
-    take. Built once per set (the idle replicas of a node share theirs, `with_busy_peers`), so that pricing an option
-    costs a bisection instead of a pass over the node's busy engines."""
+    """Sums over a set of busy engines beside a target, all that `_Impact` reads of them: their arrival rate, and
+    their requests waiting for a first token by how long the prefills queued there will take. Built once per set
+    (the idle replicas of a node share theirs, `with_busy_peers`), so that pricing an option costs a bisection
+    instead of a pass over the node's busy engines."""
 
     def __init__(self, peers: Sequence[ReplicaView], cost: CostModel) -> None:
         self.arrival_per_ms = sum(p.arrival_rate for p in peers) / 1e3
-        self.arrival_std_per_ms = math.sqrt(sum(p.arrival_rate_std**2 for p in peers)) / 1e3
         self._peers, self._cost = peers, cost
         self._backlog_ms: list[float] | None = None  # built on first use: only idle targets read it
 
@@ -209,15 +202,6 @@ class _Impact:
     engine decoding beside the first slows it (the measured contention: the cores themselves do not slow each
     other, benchmarks/two_cores.py, but with both engines busy the node's other processes, replica actors, ingress
     and Ray, take their CPU from the engines).
-
-    Every term but the waiting requests' is an arrival rate times a time, and a rate is a count of a few arrivals in
-    a window: each impact comes with its uncertainty, the rates' standard errors carried through at the quantile the
-    estimate errors' spread is taken at (`EstimateError.SPREAD_QUANTILE`), so that the stay rule weighs an impact's
-    gain against it as it weighs a time to first token's against the estimates' measured spread. Measured under
-    aiperf's closed multi-turn loop on two CPU replicas, 7 of kvrelay's 10 pulls were slower for their own turn than
-    staying by the plan's own estimate (1,736 against 941 ms, say), taken for the impact staying was priced at; the
-    app served about 0.5 turns a second, so a rate window (10 s) counted some five arrivals over both replicas, and 8
-    of the 10 pulls came slower than prefix affinity's same turn.
     """
 
     def __init__(self, cost: CostModel, output_tokens: int, future: float) -> None:
@@ -233,35 +217,28 @@ class _Impact:
             cached = self._peers[id(target.peers)] = (target.peers, _BusyPeers(target.peers, self.cost))
         return cached[1]
 
-    def on(self, target: ReplicaView) -> Callable[[float], tuple[float, float]]:
-        """The impact of a turn on `target` by its compute time there (ms), with its uncertainty (ms)."""
+    def on(self, target: ReplicaView) -> Callable[[float], float]:
+        """The impact of a turn on `target` by its compute time there (ms)."""
         per_peer = self.cost.contention_per_peer(target.replica_id)
         arrival_per_ms = target.arrival_rate / 1e3
-        std_per_ms = RATE_Z * target.arrival_rate_std / 1e3
         if per_peer == 0.0:  # engines that do not slow each other (a GPU each): only a busy target's arrivals wait
-            if target.idle:
-                return _no_impact
-            return lambda compute_ms: (arrival_per_ms * compute_ms**2 / 2, std_per_ms * compute_ms**2 / 2)
+            return (lambda compute_ms: arrival_per_ms * compute_ms**2 / 2) if not target.idle else _no_impact
         peers = self._busy_peers(target)
         later = self.output_ms
-        peers_std_per_ms = RATE_Z * peers.arrival_std_per_ms
-        stays_per_rate = per_peer * (later / 2) * self.future * later
-        stays, stays_unc = stays_per_rate * peers.arrival_per_ms, stays_per_rate * peers_std_per_ms
+        stays = per_peer * (later / 2) * (self.future * peers.arrival_per_ms * later)
         if not target.idle:
-            return lambda compute_ms: (arrival_per_ms * compute_ms**2 / 2 + stays,
-                                       math.hypot(std_per_ms * compute_ms**2 / 2, stays_unc))
+            return lambda compute_ms: arrival_per_ms * compute_ms**2 / 2 + stays
 
-        def idle_target(compute_ms: float) -> tuple[float, float]:
+        def idle_target(compute_ms: float) -> float:
             occupancy = compute_ms + later
-            per_rate = per_peer * (occupancy / 2) * occupancy  # the arrivals during the occupancy, each slowed
-            return (stays + per_peer * peers.waiting_overlap_ms(occupancy) + per_rate * peers.arrival_per_ms,
-                    stays_unc + per_rate * peers_std_per_ms)  # one rate estimate: its errors add
+            return stays + per_peer * peers.waiting_overlap_ms(occupancy) + per_peer * (occupancy / 2) * (
+                peers.arrival_per_ms * occupancy)
 
         return idle_target
 
 
-def _no_impact(compute_ms: float) -> tuple[float, float]:
-    return 0.0, 0.0
+def _no_impact(compute_ms: float) -> float:
+    return 0.0
 
 
 def plan_turn(

@@ -10,7 +10,7 @@ from kvtransfer.cost_model import CostModel
 from kvtransfer.kv_shape import KVShape
 from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
 from kvtransfer.options import STAY_MARGIN_MS, Mode
-from kvtransfer.planner import Plan, _options, observe_queues, plan_turn
+from kvtransfer.planner import _options, observe_queues, plan_turn
 from kvtransfer.policies.kvrelay import STAY_MARGIN
 from kvtransfer.types import Hold, HoldId, HoldOffer, LookupResult, ReplicaMatch
 from kvtransfer.typical_wait import TypicalWait
@@ -559,101 +559,66 @@ def test_of_two_busy_engines_the_one_with_less_traffic_drains_into_the_other():
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
 
 
-class _TwoEnginesTwoConversationsEach:
-    """Four conversations of `rounds + 4` turns on one node's two engines: 0 and 1 live on "a", 2 and 3 on "b", and
-    each ran `rounds` turns in the last ten seconds (the ingress's `InFlight` counted them). Each engine is decoding
-    one of them now, and has had the same traffic."""
-
-    N = 1024
-
-    def __init__(self, rounds: int) -> None:
-        from actors.replica_api import ReplicaStats
-        from app.inflight import InFlight
-        from kvtransfer.prefix_key import Scope
-
-        self.rounds = rounds
-        # Prefills 1.3x slower beside a busy engine, a 58 ms decode step: today's quick multi-turn workload
-        # measured 0.28 and 58.4 (a run committed in 91af383, its `cost_model`).
-        self.cost = contended(0.3)
-        self.cost.decode_step_ms = 58.0
-        for _ in range(12):
-            for index in range(rounds + 4):
-                self.cost.workload.observe_turn(index)
-        self.scope = Scope("m", "")
-        self.now = [100.0]
-        self.inflight = InFlight(clock=lambda: self.now[0])
-        for turn in range(rounds):
-            for conversation, replica in enumerate("aabb"):
-                key = self.prompt(conversation, turn)
-                self.inflight.started(replica, f"{conversation}-{turn}", 64, key.prompt_end(key.num_tokens))
-                self.now[0] += 8.0 / (4 * rounds)
-        for conversation, replica in enumerate("aabb"):
-            if conversation % 2:
-                self.inflight.ended(replica, f"{conversation}-{rounds - 1}")
-        self.stats = lambda replica_id: ReplicaStats(
-            replica_id=replica_id, node_id="n1", running=0, waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
-            prefill_tok_s=None, decode_tok_s=None, requests_finished=0)
-
-    def prompt(self, conversation: int, turn: int):  # each turn's prompt starts with the previous one's
-        from kvtransfer.prefix_key import PrefixKey
-
-        return PrefixKey.build([1 + conversation] * (self.N + 64 * turn), self.scope, 16)
-
-    def views(self, conversation_turn: tuple[int, int] | None):
-        from kvtransfer.load import with_busy_peers
-
-        key = self.prompt(*conversation_turn) if conversation_turn else None
-        return with_busy_peers([self.inflight.view(self.stats(r), key) for r in "ab"], {"a": "n1", "b": "n1"})
-
-    def next_turn_of_3(self, views, turn_index: int | None = None) -> Plan:
-        """Conversation 3's next turn, its history on "b"."""
-        n, r = self.N, self.rounds
-        on_b = lookup(n + 64 * r, ReplicaMatch("b", n + 64 * (r - 1), "hold", n + 64 * (r - 1),
-                                                hold("b", n + 64 * (r - 1))))
-        return plan_turn(n + 64 * r, on_b, views, self.cost, output_tokens=24,
-                         turn_index=r if turn_index is None else turn_index)
-
-
 def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
-    # Each conversation ran 16 turns in the window: "a" counts 32 arrivals of others, "b" 16.
-    scene = _TwoEnginesTwoConversationsEach(rounds=16)
-    # Conversation 3's next turn. Staying keeps "b" busy beside "a" for its later turns, slowing the two
-    # conversations that arrive at "a"; moving to "a" slows only conversation 2, which stays on "b": its own turns on
-    # "b" are not traffic it would slow there. So it pulls its history to "a" ...
-    views_before_move = scene.views((3, 16))
-    assert [v.arrival_rate for v in views_before_move] == [pytest.approx(3.2), pytest.approx(1.6)]
-    moved = scene.next_turn_of_3(views_before_move)
+    from actors.replica_api import ReplicaStats
+    from app.inflight import InFlight
+    from kvtransfer.load import with_busy_peers
+    from kvtransfer.prefix_key import PrefixKey, Scope
+
+    n = 1024
+    # Prefills 1.3x slower beside a busy engine, a 58 ms decode step: today's quick multi-turn workload measured
+    # 0.28 and 58.4 (a run committed in 91af383, its `cost_model`).
+    cost = contended(0.3)
+    cost.decode_step_ms = 58.0
+    for _ in range(12):
+        for index in range(6):  # conversations of six turns
+            cost.workload.observe_turn(index)
+    scope = Scope("m", "")
+
+    def prompt(conversation: int, turn: int) -> PrefixKey:  # each turn's prompt starts with the previous one's
+        return PrefixKey.build([1 + conversation] * (n + 64 * turn), scope, 16)
+
+    # The last ten seconds: conversations 0 and 1 ran two turns each on "a", 2 and 3 two each on "b". Each engine
+    # is decoding one of them now, and has had the same traffic.
+    now = [100.0]
+    inflight = InFlight(clock=lambda: now[0])
+    for turn in range(2):
+        for conversation, replica in enumerate("aabb"):
+            key = prompt(conversation, turn)
+            inflight.started(replica, f"{conversation}-{turn}", 64, key.prompt_end(key.num_tokens))
+            now[0] += 1.0
+    for conversation, replica in enumerate("aabb"):
+        if conversation % 2:
+            inflight.ended(replica, f"{conversation}-1")
+
+    def stats(replica_id: str) -> ReplicaStats:
+        return ReplicaStats(replica_id=replica_id, node_id="n1", running=0, waiting=0, kv_cache_usage=0.0,
+                            prefix_cache_hit_rate=0.0, prefill_tok_s=None, decode_tok_s=None, requests_finished=0)
+
+    # Conversation 3's next turn, its history on "b". Staying keeps "b" busy beside "a" for its later turns, slowing
+    # the two conversations that arrive at "a"; moving to "a" slows only conversation 2, which stays on "b": its own
+    # turns on "b" are not traffic it would slow there. So it pulls its history to "a" ...
+    on_b = lookup(n + 128, ReplicaMatch("b", n + 64, "hold", n + 64, hold("b", n + 64)))
+    views_before_move = with_busy_peers([inflight.view(stats(r), prompt(3, 2)) for r in "ab"], {"a": "n1", "b": "n1"})
+    assert [v.arrival_rate for v in views_before_move] == [pytest.approx(0.4), pytest.approx(0.2)]
+    moved = plan_turn(n + 128, on_b, views_before_move, cost, output_tokens=24, turn_index=2)
     assert (moved.replica_id, moved.mode, moved.holder) == ("a", Mode.PULL, "b")
     # ... where, counted with its own, the two engines' traffic looked the same and it stayed beside "a".
-    assert scene.next_turn_of_3(scene.views(None)).mode is Mode.LOCAL
-    # Were it its last turn (recent conversations brought none after it), it would stay on "b": moving buys nothing
-    # for turns that will not come.
-    last = scene.next_turn_of_3(views_before_move, turn_index=16 + 3)
+    counted_with_own = with_busy_peers([inflight.view(stats(r)) for r in "ab"], {"a": "n1", "b": "n1"})
+    stays = plan_turn(n + 128, on_b, counted_with_own, cost, output_tokens=24, turn_index=2)
+    assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
+    # Were it its last turn (the sixth: recent conversations brought none after it), it would stay on "b": moving
+    # buys nothing for turns that will not come.
+    last = plan_turn(n + 128, on_b, views_before_move, cost, output_tokens=24, turn_index=5)
     assert (last.replica_id, last.mode) == ("b", Mode.LOCAL)
     # Its next turn stays on "a" (no ping-pong): going back would slow a's two other conversations.
-    key = scene.prompt(3, 16)
-    scene.inflight.started("a", "3-16", 64, key.prompt_end(key.num_tokens))
-    scene.now[0] += 1.0
-    scene.inflight.ended("a", "3-16")
-    n = scene.N
-    on_a = lookup(n + 64 * 17, ReplicaMatch("a", n + 64 * 16, "hold", n + 64 * 16, hold("a", n + 64 * 16)))
-    views = scene.views((3, 17))
-    assert (plan_turn(n + 64 * 17, on_a, views, scene.cost, output_tokens=24, turn_index=17).replica_id,) == ("a",)
-
-
-def test_traffic_counted_from_a_few_arrivals_moves_no_conversation():
-    # The same two engines, but each conversation ran two turns in the window: "a" counts 4 arrivals against b's
-    # 2, a gap that Poisson counts of that size show often for equal traffic. Priced at the rates alone the turn
-    # would move (as with 32 against 16); with the rates' uncertainty, the gain in impact is within it and it stays.
-    scene = _TwoEnginesTwoConversationsEach(rounds=2)
-    views = scene.views((3, 2))
-    assert [v.arrival_rate for v in views] == [pytest.approx(0.4), pytest.approx(0.2)]
-    assert [v.arrival_rate_std for v in views] == [pytest.approx(0.2), pytest.approx(2**0.5 / 10)]
-    stays = scene.next_turn_of_3(views)
-    assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
-    as_if_exact = scene.next_turn_of_3([v._replace(arrival_rate_std=0.0, peers=tuple(
-        p._replace(arrival_rate_std=0.0) for p in v.peers)) for v in views])
-    assert (as_if_exact.replica_id, as_if_exact.mode, as_if_exact.holder) == ("a", Mode.PULL, "b")
+    key = prompt(3, 2)
+    inflight.started("a", "3-2", 64, key.prompt_end(key.num_tokens))
+    now[0] += 1.0
+    inflight.ended("a", "3-2")
+    on_a = lookup(n + 192, ReplicaMatch("a", n + 128, "hold", n + 128, hold("a", n + 128)))
+    views = with_busy_peers([inflight.view(stats(r), prompt(3, 3)) for r in "ab"], {"a": "n1", "b": "n1"})
+    assert (plan_turn(n + 192, on_a, views, cost, output_tokens=24, turn_index=3).replica_id,) == ("a",)
 
 
 def test_prompts_queued_on_a_replica_are_priced_as_separate_prompts_prefilled_together():

@@ -4,7 +4,6 @@ history only for an option clearly cheaper than staying."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from kvtransfer.cost_model import CostModel
@@ -38,14 +37,13 @@ def stay_unless_clearly_faster(
 ) -> Option:
     """`best` (the cheapest option, by `fastest`), unless it leaves the replica caching the longest part of the
     history, or pulls onto it what it could compute from its own cache, without costing at least STAY_MARGIN and
-    STAY_MARGIN_MS less than staying there, and less by more than the planner's uncertainty about the two
-    (`departure_noise_ms`: the estimates' measured spread for the two kinds of turn, and the uncertainty of the delay
-    each imposes on others). A pull costs more than its estimate shows: the holder's CPU for the
+    STAY_MARGIN_MS less than staying there, and less by more than the planner's measured uncertainty for the two
+    kinds of turn (`departure_noise_ms`). A pull costs more than its estimate shows: the holder's CPU for the
     transfer, and a second copy of the KV (measured in P/D, where kvrelay pulled onto the prefill replica whenever
     the estimate was a few percent lower: every turn of that run came slower than on the replica's own cache alone).
     And a gain within what the estimates miss by is no gain: with a badly calibrated cost model (an error offset
-    learned on other turns, a kind with few samples) or traffic counted from a handful of arrivals, the planner
-    keeps the affinity choice instead of moving on noise."""
+    learned on other turns, a kind with few samples) the planner keeps the affinity choice instead of moving on
+    noise."""
     stays = [o for o in options if o.mode is Mode.LOCAL]
     if not stays:
         return best
@@ -63,8 +61,7 @@ def stay_unless_clearly_faster(
 def departure_noise_ms(stay: Option, move: Option, cost: CostModel, situations: dict[str, tuple[int, bool]]) -> float:
     """How much of a move's estimated gain over staying could be the estimates' own error: the two kinds' measured
     uncertainties (`EstimateError.uncertainty_ms`; a replica's situation: its contending busy peers, and whether it
-    is a busy target) and the two options' impact uncertainties (the arrival counts they are priced from), combined
-    as independent errors."""
+    is a busy target), combined as independent errors."""
     u_stay = cost.error.uncertainty_ms(stay.mode, *situations.get(stay.replica_id, (0, False)))
     u_move = cost.error.uncertainty_ms(move.mode, *situations.get(move.replica_id, (0, False)))
-    return math.sqrt(u_stay**2 + u_move**2 + stay.impact_uncertainty_ms**2 + move.impact_uncertainty_ms**2)
+    return (u_stay**2 + u_move**2) ** 0.5
