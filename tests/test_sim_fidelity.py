@@ -44,3 +44,13 @@ def test_a_profile_of_an_engine_in_another_dtype_is_refused():
     other = "float32" if profile_dtype(profile) == "bfloat16" else "bfloat16"
     with pytest.raises(SystemExit, match=f"sim_profile --dtype {other}"):
         served_profile(profile, real_run(other))
+
+
+def test_a_profile_measured_on_another_kind_of_cpu_is_refused():
+    profile = load_profile("cpu-smollm2")
+    real = real_run(profile_dtype(profile))
+    real["provenance"]["machine"]["cpu"] = "another CPU"
+    with pytest.raises(SystemExit, match="measure both on one kind of machine"):
+        served_profile(profile, real)
+    del real["provenance"]["machine"]["cpu"]  # a real run that does not record its CPU is compared as before
+    served_profile(profile, real)

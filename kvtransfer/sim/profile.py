@@ -3,12 +3,15 @@
 Profiles are data (`configs/profiles/*.json`), each number with its source in the file's `sources`. A step of a
 continuous-batching engine costs
 
-    step_ms = (base_ms + decode_ms_per_seq * decoding requests + decode_ms_per_kctx * their context / 1e3
-               + prefill_ms_per_token * prefill tokens + prefill_ms_per_ktoken_ctx * sum k * (c + k/2) / 1e3)
-              * (1 + contention_per_busy_peer * other busy engines on the node)
+    decode_ms = decode_ms_per_seq * decoding requests + decode_ms_per_kctx * their context / 1e3
+    prefill_ms = prefill_ms_per_token * prefill tokens + prefill_ms_per_ktoken_ctx * sum k * (c + k/2) / 1e3
+    step_ms = (base_ms + prefill_ms) * (1 + contention_per_busy_peer * other busy engines on the node)
+              + decode_ms * (1 + decode_contention_per_busy_peer * other busy engines on the node)
 
 for prefill chunks of k new tokens after c cached ones: a fixed part per step (weights read once, launch and
-scheduling), a part per token (the matmuls), and attention over the context. A pull costs
+scheduling), a part per token (the matmuls), and attention over the context. Engines that share a node's cores and
+memory slow each other's prefills and decodes by different amounts; a step without prefill takes its fixed part at
+the decodes' rate (`decode_contention_per_busy_peer`, by default the same as `contention_per_busy_peer`). A pull costs
 `fixed_ms + bytes / bandwidth` on its link (`same_node` or `other_node`), plus `handshake_ms` the first time two
 engines meet.
 """
@@ -53,6 +56,7 @@ class EngineProfile(BaseModel):
     prefill_ms_per_token: float = Field(gt=0)
     prefill_ms_per_ktoken_ctx: float = Field(ge=0)
     contention_per_busy_peer: float = Field(default=0.0, ge=0)
+    decode_contention_per_busy_peer: float | None = Field(default=None, ge=0)
     replicas_per_node: int = Field(default=1, ge=1)
     # KV transfer.
     same_node: Link
@@ -70,8 +74,8 @@ class EngineProfile(BaseModel):
 
     @model_validator(mode="after")
     def _every_number_has_a_source(self) -> EngineProfile:
-        numbers = [name for name in type(self).model_fields
-                   if name not in ("name", "description", "sources", "measurement", "provenance")]
+        numbers = [name for name in type(self).model_fields if getattr(self, name) is not None
+                   and name not in ("name", "description", "sources", "measurement", "provenance")]
         missing = [n for n in numbers if n not in self.sources]
         if missing:
             raise ValueError(f"profile {self.name!r} gives no source for {missing}")
@@ -88,10 +92,17 @@ class EngineProfile(BaseModel):
     ) -> float:
         """One engine step: `decoding` requests with `decode_context` tokens of context in all, and prefill chunks
         (new tokens, cached context) in the same batch, while `busy_peers` engines of the node work too."""
-        ms = self.base_ms + self.decode_ms_per_seq * decoding + self.decode_ms_per_kctx * decode_context / 1e3
-        for k, c in prefills:
-            ms += self.prefill_ms_per_token * k + self.prefill_ms_per_ktoken_ctx * k * (c + k / 2) / 1e3
-        return ms * (1.0 + self.contention_per_busy_peer * busy_peers)
+        decode = self.decode_ms_per_seq * decoding + self.decode_ms_per_kctx * decode_context / 1e3
+        prefill = sum(self.prefill_ms_per_token * k + self.prefill_ms_per_ktoken_ctx * k * (c + k / 2) / 1e3
+                      for k, c in prefills)
+        if not busy_peers:
+            return self.base_ms + decode + prefill
+        slow_prefill = 1.0 + self.contention_per_busy_peer * busy_peers
+        slow_decode = 1.0 + (self.contention_per_busy_peer if self.decode_contention_per_busy_peer is None
+                             else self.decode_contention_per_busy_peer) * busy_peers
+        if prefills:
+            return (self.base_ms + prefill) * slow_prefill + decode * slow_decode
+        return (self.base_ms + decode) * slow_decode
 
     def prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
         """A prefill alone on an idle engine, chunked by `max_num_batched_tokens`."""
