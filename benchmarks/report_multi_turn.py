@@ -32,14 +32,15 @@ def multi_turn_summary_rows(results: Results) -> list[list[Any]]:
         others = f"{fmt(b50[1], 0)} / {fmt(b90[1], 0)} ({b50[0]}{'' if b90[0] == b50[0] else ', ' + b90[0]})" \
             if b50 and b90 else "—"
         other_means = ", ".join(f"{fmt(p['ttft_ms']['mean'], 0)} ({n})" for n, p in policies.items() if n != "kvrelay")
+        machine = ((results[name].get("provenance") or {}).get("machine") or {}).get("cpu", "—")
         rows.append([label, f"{fmt(kv.get('p50'), 0)} / {fmt(kv.get('p90'), 0)}", others, ratio,
-                     f"{fmt(kv.get('mean'), 0)} vs {other_means}", f"[`{name}`](benchmarks/results/{name})"])
+                     f"{fmt(kv.get('mean'), 0)} vs {other_means}", machine, f"[`{name}`](benchmarks/results/{name})"])
     return rows
 
 
 def multi_turn_summary(results: Results) -> list[str]:
     return table(["workload", "kvrelay TTFT p50 / p90 (ms)", "best other p50 / p90 (ms)", "kvrelay's gain p50 / p90",
-                  "mean (ms): kvrelay vs others", "results"], multi_turn_summary_rows(results))
+                  "mean (ms): kvrelay vs others", "machine", "results"], multi_turn_summary_rows(results))
 
 
 def render_multi_turn(name: str) -> Callable[[Results], list[str]]:

@@ -75,9 +75,13 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 async def together(replica: EngineReplica, rng: random.Random, batch: int, prompt: int) -> list[list[Any]]:
-    """`batch` requests of `prompt` new tokens each, decoding DECODE_TOKENS tokens side by side."""
-    return await asyncio.gather(*(generate(replica, tokens(rng, prompt), max_tokens=DECODE_TOKENS)
-                                  for _ in range(batch)))
+    """`batch` requests of `prompt` tokens each, decoding DECODE_TOKENS tokens side by side. Their prompts are in the
+    prefix cache first, so that they start decoding within a step of each other: otherwise the first ones decode in
+    the steps that compute the others' prompts (a 2,048-token chunk each), and their step times are those steps'."""
+    prompts = [tokens(rng, prompt) for _ in range(batch)]
+    for ids in prompts:
+        await generate(replica, ids)
+    return await asyncio.gather(*(generate(replica, ids, max_tokens=DECODE_TOKENS) for ids in prompts))
 
 
 def decode_steps_ms(streams: list[list[Any]]) -> list[float]:
