@@ -45,12 +45,17 @@ KINDS: dict[str, Callable[[int], bool]] = {"first_turns": lambda turn: turn == 0
 Key = tuple[int, str, int]  # (round, conversation, turn)
 
 
+def recorded_machine(data: dict[str, Any]) -> dict[str, Any]:
+    """The machine a results file or profile records (in its provenance; older files at their top level)."""
+    return (data.get("provenance") or {}).get("machine") or data.get("machine") or {}
+
+
 def real_dtype(real: dict[str, Any]) -> tuple[str, str]:
     """The dtype the real run's engines ran and how that is known: its configured one, else the engine's choice on
     its machine; a file whose machine does not record bf16 support ran the model's recommended dtype (what engines
     ran on every CPU before they looked, and run on a CPU with native bf16)."""
     config = real["config"]
-    machine = (real.get("provenance") or {}).get("machine") or real.get("machine") or {}
+    machine = recorded_machine(real)
     engine = EngineConfig(model=config.get("model") or DEFAULT_MODEL, **{
         k: v for k, v in config.get("engine", {}).items() if k in EngineConfig.model_fields})
     if engine.dtype is not None:
@@ -71,7 +76,7 @@ def served_profile(profile: EngineProfile, real: dict[str, Any]) -> EngineProfil
     if have != want:
         raise SystemExit(f"profile {profile.name!r} was measured in {have or 'an unrecorded dtype'}, the real run's "
                          f"engines ran {want}: measure one with `python -m benchmarks.sim_profile --dtype {want}`")
-    real_cpu = ((real.get("provenance") or {}).get("machine") or real.get("machine") or {}).get("cpu")
+    real_cpu = recorded_machine(real).get("cpu")
     profile_cpu = ((profile.provenance or {}).get("machine") or {}).get("cpu")
     if real_cpu and profile_cpu and real_cpu != profile_cpu:
         raise SystemExit(f"profile {profile.name!r} was measured on {profile_cpu!r}, the real run on {real_cpu!r}: "
@@ -202,7 +207,7 @@ def main() -> None:
         provenance = real.get("provenance") or {}
         workloads[Path(path).stem] = compare(real, simulate(served_profile(profile, real), real, args.seed)) | {
             "real_file": path, "real_commit": provenance.get("commit"), "real_date": provenance.get("date"),
-            "real_machine": provenance.get("machine") or real.get("machine"),
+            "real_machine": recorded_machine(real) or None,
             "real_dtype": dict(zip(("dtype", "from"), real_dtype(real), strict=True))}
     every = [p for w in workloads.values() for p in w["policies"].values()]
     pairs = sum(w["separated_pairs"] for w in workloads.values())

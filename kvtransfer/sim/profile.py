@@ -84,6 +84,13 @@ class EngineProfile(BaseModel):
         return self
 
     @property
+    def decode_contention(self) -> float:
+        """How much each busy peer slows a step's decodes: measured on its own, else the one contention factor."""
+        if self.decode_contention_per_busy_peer is None:
+            return self.contention_per_busy_peer
+        return self.decode_contention_per_busy_peer
+
+    @property
     def kv_cache_blocks(self) -> int:
         return self.kv_cache_tokens // self.block_size
 
@@ -98,8 +105,7 @@ class EngineProfile(BaseModel):
         if not busy_peers:
             return self.base_ms + decode + prefill
         slow_prefill = 1.0 + self.contention_per_busy_peer * busy_peers
-        slow_decode = 1.0 + (self.contention_per_busy_peer if self.decode_contention_per_busy_peer is None
-                             else self.decode_contention_per_busy_peer) * busy_peers
+        slow_decode = 1.0 + self.decode_contention * busy_peers
         if prefills:
             return (self.base_ms + prefill) * slow_prefill + decode * slow_decode
         return (self.base_ms + decode) * slow_decode
