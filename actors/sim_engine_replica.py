@@ -47,7 +47,7 @@ from kvtransfer.sim.engine import Hold as HeldBlocks
 from kvtransfer.sim.engine import SimEngine, SimRequest
 from kvtransfer.sim.profile import load_profile
 from kvtransfer.types import Hold, HoldId
-from model_prep.store import model_path
+from model_prep.store import model_path_without_torch
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class SimEngineReplica(ReportsLoad):
                                 max_held_fraction=self.config.nixl.max_held_fraction)
         self.engine.prefix_caching = self.config.enable_prefix_caching
         self.engine.on_finish = self._on_finish
-        self.replies = Replies(model_path(self.config.model))
+        self.replies = Replies(model_path_without_torch(self.config.model))
         self.load = EngineStats()
         self._epoch = time.monotonic()
         self._work = asyncio.Event()

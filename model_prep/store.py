@@ -11,6 +11,8 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -55,6 +57,15 @@ def model_path(model: str) -> Path:
         if not constants.HF_HUB_OFFLINE:
             return Path(snapshot_download(model))
     return user_model_dir(model)
+
+
+def model_path_without_torch(model: str) -> Path:
+    """`model_path`, for a process that must not load torch (a simulated replica reads only the tokenizer): a preset
+    not yet prepared is built by a child process (`python -m model_prep`, under the same lock), since building its
+    weights imports torch and would leave half a gigabyte of it mapped in the caller for good."""
+    if model in MODEL_PRESETS and not is_ready(model):
+        subprocess.run([sys.executable, "-m", "model_prep", model], check=True, stdout=subprocess.DEVNULL)
+    return model_path(model)
 
 
 def ensure_model(name: str, data_dir: Path | None = None, progress: Progress = print) -> Path:

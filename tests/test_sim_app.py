@@ -28,10 +28,13 @@ def user_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def sim_app(serve_port: int) -> Iterator[ServedApp]:
-    """Eight simulated replicas (a tenth of a Ray CPU each: they compute no model) behind one ingress."""
+def sim_app(serve_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApp]:
+    """Eight simulated replicas (a tenth of a Ray CPU each: they compute no model) behind one ingress. Their model
+    folder is not prepared yet (a data directory of their own), as on a fresh install: one of them has it built."""
 
-    app = run_app("sim", "/sim", serve_port, pool={"num_replicas": REPLICAS, "num_cpus": 0.1, "engine": SIM_ENGINE})
+    data_dir = {"KVRELAY_DATA_DIR": str(tmp_path_factory.mktemp("sim-data"))}
+    app = run_app("sim", "/sim", serve_port, pool={"num_replicas": REPLICAS, "num_cpus": 0.1, "engine": SIM_ENGINE,
+                                                   "runtime_env": {"env_vars": data_dir}})
     try:
         app.replica_ids(REPLICAS, timeout_s=300)
         app.ingress.calibrated.remote().result(timeout_s=120)
@@ -105,7 +108,8 @@ def test_the_directory_follows_the_simulated_replicas_kv_events(sim_app: ServedA
 
 
 def test_a_simulated_replicas_process_has_neither_vllm_nor_torch_after_serving(sim_app: ServedApp) -> None:
-    # After turns (the conversation above): unpickling a request with vLLM's SamplingParams would have loaded both.
+    # After turns (the conversation above): unpickling a request with vLLM's SamplingParams would have loaded both,
+    # and so would building the model folder in the replica's own process (the fixture's replicas had to).
     sim_app.ingress.turn.remote(user_tokens(random.Random("one more"), 64), REPLY).result(timeout_s=60)
     for replica in sim_app.ingress.stats.remote().result(timeout_s=30)["replicas"]:
         maps = Path(f"/proc/{replica['pid']}/maps").read_text()
