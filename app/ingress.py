@@ -207,6 +207,9 @@ class Ingress:
             "plan_ms": _percentiles(self.runner.plan_ms),
             # The planning thread's CPU time for the same plans: the planner's own cost on a saturated machine too.
             "plan_cpu_ms": _percentiles(self.runner.plan_cpu_ms),
+            # Whether the planning thread ran its plans through: the share it was switched out of (waiting, for
+            # the GIL too, or preempted by the OS), and the plans' times when it was not.
+            "plan_switched": _switched(self.runner.plan_ms, self.runner.plan_switches),
             # What one-turn HTTP responses cost this ingress outside the engine request (parse, render, plan; and
             # derender, respond), medians.
             "ingress_own_ms": self.own_work.summary(),
@@ -254,3 +257,14 @@ def _percentiles(ms: Collection[float]) -> dict[str, float] | None:
     if not ordered:
         return None
     return {"p50": ordered[len(ordered) // 2], "p99": ordered[int(0.99 * (len(ordered) - 1))], "samples": len(ordered)}
+
+
+def _switched(ms: Collection[float], switches: Collection[tuple[int, int]]) -> dict[str, Any] | None:
+    """Of recent plans: the share whose thread waited (a voluntary switch: the GIL, or blocking) and the share
+    preempted (involuntary), and the times of those switched out of neither."""
+    if not switches:
+        return None
+    pairs = list(zip(ms, switches, strict=True))
+    return {"waited_share": round(sum(1 for _, (waits, _) in pairs if waits) / len(pairs), 4),
+            "preempted_share": round(sum(1 for _, (_, preempted) in pairs if preempted) / len(pairs), 4),
+            "unswitched_ms": _percentiles([t for t, (waits, preempted) in pairs if not waits and not preempted])}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -91,6 +92,10 @@ class TurnRunner:
         self.plan_ms: deque[float] = deque(maxlen=1024)  # how long recent plans took
         # The CPU time this thread spent on them: the planner's own cost, without waits for a busy machine's cores.
         self.plan_cpu_ms: deque[float] = deque(maxlen=1024)
+        # Whether the planning thread was switched out meanwhile: (waits, preemptions) it counted (a wait is a
+        # voluntary switch, such as for the GIL another thread of the process holds; a preemption is the OS giving
+        # its core to another process).
+        self.plan_switches: deque[tuple[int, int]] = deque(maxlen=1024)
         # (puller, holder) replica pairs whose NIXL agents have met (a pull between them succeeded).
         self.met: set[tuple[str, str]] = set()
         self._generate_handles: dict[Any, Any] = {}  # engine pool handle -> its streaming `generate` handle
@@ -135,7 +140,8 @@ class TurnRunner:
         )
 
     def record_planned(
-        self, turn: Turn, plan: Plan, force: tuple[Mode, str] | None, plan_ms: float, plan_cpu_ms: float
+        self, turn: Turn, plan: Plan, force: tuple[Mode, str] | None, plan_ms: float, plan_cpu_ms: float,
+        switches: tuple[int, int] = (0, 0),
     ) -> None:
         """Count a turn that runs as `plan` (once per turn: not again for its continuation after a lost replica):
         the round-robin baselines' rotation, the queues it found (the replicas' typical waits), the turn's place in its
@@ -145,6 +151,7 @@ class TurnRunner:
         observe_queues(self.cost, plan, time.monotonic())
         self.plan_ms.append(plan_ms)
         self.plan_cpu_ms.append(plan_cpu_ms)
+        self.plan_switches.append(switches)
         if self._tracks_conversations(turn, force):
             self.cost.workload.observe_turn(plan.turn_index)
             self.recent_prompts.add(self.key(turn), plan.turn_index)
@@ -177,11 +184,13 @@ class TurnRunner:
         outcome: TurnOutcome | None = None
         rest: Turn | None = turn
         while rest is not None:
-            planning, planning_cpu = time.perf_counter(), time.thread_time()
+            planning, planning_cpu, switched = time.perf_counter(), time.thread_time(), thread_switches()
             plan = self.plan(rest, force, self._targets())
             if outcome is None:
+                waits, preemptions = thread_switches()
                 self.record_planned(turn, plan, force, (time.perf_counter() - planning) * 1e3,
-                                    (time.thread_time() - planning_cpu) * 1e3)
+                                    (time.thread_time() - planning_cpu) * 1e3,
+                                    (waits - switched[0], preemptions - switched[1]))
                 outcome = TurnOutcome(plan, reused_tokens=plan.reused_tokens)
             else:
                 outcome.plan, outcome.pull_failed = plan, False
@@ -374,3 +383,12 @@ class TurnRunner:
         task = asyncio.get_running_loop().create_task(later())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def thread_switches() -> tuple[int, int]:
+    """This thread's context switches so far: (voluntary, involuntary), as Linux counts them per thread ((0, 0)
+    where the OS does not count per thread)."""
+    if not hasattr(resource, "RUSAGE_THREAD"):
+        return 0, 0
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_nvcsw, usage.ru_nivcsw

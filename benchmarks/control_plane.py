@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -77,7 +78,8 @@ def object_bytes(holder: str, attributes: tuple[str, ...]) -> Any:
     owner = next(o for o in gc.get_objects() if type(o).__name__ == holder)
     opaque = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
     seen: set[int] = set()
-    sizes = {}
+    sizes: dict[str, Any] = {}
+    by_type: dict[str, int] = {}
     for name in attributes:
         total, stack = 0, [getattr(owner, name)]
         while stack:
@@ -85,20 +87,106 @@ def object_bytes(holder: str, attributes: tuple[str, ...]) -> Any:
             if id(obj) in seen or isinstance(obj, opaque):
                 continue
             seen.add(id(obj))
-            total += (sys.getsizeof(obj) + 15) & ~15
+            size = (sys.getsizeof(obj) + 15) & ~15
+            total += size
+            by_type[type(obj).__name__] = by_type.get(type(obj).__name__, 0) + size
             stack.extend(gc.get_referents(obj))
         sizes[name] = total
+    sizes["by_type"] = dict(sorted(by_type.items(), key=lambda kv: -kv[1])[:6])
     return sizes
 
 
-def replica_object_bytes(deployment: str, holder: str, attributes: tuple[str, ...]) -> dict[str, int]:
+def replica_actor(deployment: str) -> Any:
     import ray
     from ray._private.state import actors
 
     name = next(a["Name"] for a in actors(actor_state_name="ALIVE").values()
                 if a["ActorClassName"].endswith(f":{deployment}"))
-    actor = ray.get_actor(name, namespace="serve")
+    return ray.get_actor(name, namespace="serve")
+
+
+def replica_object_bytes(deployment: str, holder: str, attributes: tuple[str, ...]) -> dict[str, Any]:
+    import ray
+
+    actor = replica_actor(deployment)
     return ray.get(actor.__ray_call__.remote(lambda _replica: object_bytes(holder, attributes)))
+
+
+def time_collections() -> None:
+    """Run in a Serve replica's process: from now on, time each of the garbage collector's passes by generation
+    (`collection_pauses` reads them)."""
+    import gc
+    import time
+
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(callback)
+    gc.collection_pauses = pauses  # type: ignore[attr-defined]  # where `collection_pauses` finds them
+
+
+def collection_pauses() -> dict[str, Any]:
+    """Run where `time_collections` ran: per generation, the passes since, their total and longest time (ms)."""
+    import gc
+
+    return {f"gen{g}": {"count": len(ms), "total_ms": round(sum(ms), 1), "max_ms": round(max(ms, default=0.0), 1)}
+            for g, ms in gc.collection_pauses.items()}  # type: ignore[attr-defined]
+
+
+def on_replica(deployment: str, fn: Any) -> Any:
+    import ray
+
+    return ray.get(replica_actor(deployment).__ray_call__.remote(lambda _replica: fn()))
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores of the machine spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def ray_daemon_pids() -> list[int]:
+    """This machine's Ray daemons (GCS server and raylet: the run's local cluster)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() in ("gcs_server", "raylet"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each role's processes, and of the whole machine ("machine")."""
+    def used(pid: int) -> float:
+        try:
+            return cpu_s(pid)
+        except OSError:  # ended meanwhile
+            return 0.0
+    return {role: sum(used(p) for p in pids) for role, pids in roles.items()} | {"machine": machine_busy_s()}
+
+
+def cores_used(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores each role kept busy between two `cpu_by_role` readings `seconds` apart; "other": the machine's busy
+    time none of the roles accounts for (Serve's controller and proxy, Ray's other processes, the kernel)."""
+    used = {role: (after[role] - before[role]) / seconds for role in after}
+    used["other"] = used["machine"] - sum(v for role, v in used.items() if role != "machine")
+    return {role: round(v, 2) for role, v in used.items()}
+
+
+def renice(pid: int, nice: int) -> None:
+    """Run every thread of process `pid` at `nice` (Linux sets it per thread; threads they start inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
 def maps_library(pid: int, name: str) -> bool:
@@ -223,12 +311,15 @@ class Driver:
         return (await self.app.ingress.stats.remote())["directory"]["resident_blocks"]
 
 
-async def load_and_measure(app: Any, args: argparse.Namespace, guard: MemoryGuard) -> dict[str, Any]:
+async def load_and_measure(
+    app: Any, args: argparse.Namespace, guard: MemoryGuard, roles: dict[str, list[int]]
+) -> dict[str, Any]:
     drive = Driver(app, args, guard)
     stop_probes = asyncio.Event()
     probes = asyncio.get_running_loop().create_task(drive.probe(stop_probes))
     blocks = {"now": await drive.directory_blocks()}
     started, start_blocks = time.monotonic(), blocks["now"]
+    cpu_at_start = cpu_by_role(roles)
 
     async def watch() -> None:
         while blocks["now"] < args.blocks:
@@ -245,6 +336,7 @@ async def load_and_measure(app: Any, args: argparse.Namespace, guard: MemoryGuar
     await asyncio.gather(drive.run_turns(first_turns, lambda: blocks["now"] >= args.blocks or watcher.done()),
                          watcher)
     load_s = time.monotonic() - started
+    cpu_loaded = cpu_by_role(roles)
     loaded = await app.ingress.stats.remote()
     absorbed = loaded["directory"]["resident_blocks"] - start_blocks
     load_turns = drive.turns
@@ -254,12 +346,15 @@ async def load_and_measure(app: Any, args: argparse.Namespace, guard: MemoryGuar
     measured = time.monotonic()
     await drive.run_turns(follow_ups, lambda: False)
     follow_s = time.monotonic() - measured
+    cpu_followed = cpu_by_role(roles)
     stop_probes.set()
     await probes
     stats = await app.ingress.stats.remote()
     return {"stats": stats, "load_s": load_s, "absorbed_blocks": absorbed, "load_turns": load_turns,
             "follow_up_turns": drive.turns - load_turns, "follow_up_s": follow_s, "lags_ms": drive.lags_ms,
-            "probe_misses": drive.probe_misses}
+            "probe_misses": drive.probe_misses,
+            "cores": {"load": cores_used(cpu_at_start, cpu_loaded, load_s),
+                      "follow_ups": cores_used(cpu_loaded, cpu_followed, follow_s)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-limit-s", type=float, default=420)
     parser.add_argument("--min-free-gib", type=float, default=3.0, help="stop if less memory than this is left")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-mode", choices=["default", "throughput_optimized"], default="throughput_optimized",
+                        help="Ray Serve's request path; throughput_optimized as `make serve` runs it (user code on the "
+                             "replica's own event loop, no second Python thread taking the GIL from the planner)")
+    parser.add_argument("--simulator-nice", type=int, default=10,
+                        help="nice value of the simulated replicas' processes: they stand in for GPU engines, whose "
+                             "work a fleet does not run on its control plane's cores (0: share them equally)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/control_plane.json"))
     args = parser.parse_args(argv)
     exit_on_sigterm()
@@ -282,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               "block_size": args.block_size}
     began = time.monotonic()
     app = start_app(model=MODEL, num_replicas=args.replicas, pool={"num_cpus": 0.05, "engine": engine},
-                    app={"ingress_num_cpus": 0.1})
+                    app={"ingress_num_cpus": 0.1}, throughput_optimized=args.serve_mode == "throughput_optimized")
     try:
         fleet_start_s = time.monotonic() - began
         app.ingress.calibrated.remote().result(timeout_s=300)
@@ -291,9 +392,17 @@ def main(argv: list[str] | None = None) -> int:
         pids = serve_pids()
         processes = replica_processes(idle, fleet_start_s)
         print(f"{args.replicas} replicas up in {fleet_start_s:.0f} s: {processes}", flush=True)
+        for replica in idle["replicas"]:
+            renice(replica["pid"], args.simulator_nice)
         before = {role: rss(pid) for role, pid in pids.items()}
-        run = asyncio.run(load_and_measure(app, args, guard))
+        for deployment in ("ingress", "kv_directory"):
+            on_replica(deployment, time_collections)
+        roles = {"simulated_replicas": [r["pid"] for r in idle["replicas"]], "ingress": [pids["ingress"]],
+                 "kv_directory": [pids["kv_directory"]], "driver": [os.getpid()], "ray_daemons": ray_daemon_pids()}
+        run = asyncio.run(load_and_measure(app, args, guard, roles))
         after = {role: rss(pid) for role, pid in pids.items()}
+        collections = {deployment: on_replica(deployment, collection_pauses)
+                       for deployment in ("ingress", "kv_directory")}
         objects = {"mirror": replica_object_bytes("ingress", "DirectoryMirror", ("_copy",)),
                    "kv_directory": replica_object_bytes("kv_directory", "KVDirectoryActor", ("_directory", "_log"))}
     finally:
@@ -316,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"profile": SIM_PROFILE, "time_dilation": args.dilation, "model_tokenizer": MODEL,
                   "block_size": args.block_size, "max_model_len": MAX_MODEL_LEN, "first_turn_tokens": FIRST_TOKENS,
                   "reply": REPLY, "concurrency": args.concurrency, "seed": args.seed, "ingress_replicas": 1,
+                  "serve_mode": args.serve_mode, "simulator_nice": args.simulator_nice,
                   "blocks_from": "first turns driven through the real ingress; their blocks reach the directory as "
                                  "the simulated replicas' vLLM KV events"},
         "plan_ms_samples": stats["plan_ms"]["samples"],
@@ -323,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         # that a saturated machine adds to plan_ms.
         "plan_cpu_ms_p50": round(stats["plan_cpu_ms"]["p50"], 3),
         "plan_cpu_ms_p99": round(stats["plan_cpu_ms"]["p99"], 3),
+        # Why a plan's wall time exceeds its CPU time: the share of plans whose thread waited (for the GIL, which
+        # Serve's request thread in the ingress's process takes too) or was preempted (the cores given to another
+        # process), and the wall times of the plans that ran through.
+        "plan_switched": stats["plan_switched"],
         "feed_lag_ms_p50": round(pct(lags, 0.5), 1) if lags else None,
         # The feed's part of that lag: the actor logging an update to the mirror applying it (the mirror's last 1,024
         # answers that brought updates, the end of the run); the rest is the replica's events reaching the actor.
@@ -335,8 +449,17 @@ def main(argv: list[str] | None = None) -> int:
         "mirror_mb_measures": "growth of the ingress replica's process RSS while loading, which holds the mirror",
         # What those processes' RSS growth is made of: the bytes of the objects the mirror's copy, and the actor's
         # directory and change log, hold at the end (`object_bytes`), per 1M blocks.
-        "objects_mb_per_m_blocks": {role: {name: round(n / MB / (blocks / 1e6), 1) for name, n in found.items()}
-                                    for role, found in objects.items()},
+        "objects_mb_per_m_blocks": {role: {name: round(n / MB / (blocks / 1e6), 1) for name, n in found.items()
+                                           if name != "by_type"} for role, found in objects.items()},
+        # The same by the objects' type (the six largest, all attributes together).
+        "objects_by_type_mb_per_m_blocks": {role: {name: round(n / MB / (blocks / 1e6), 1)
+                                                   for name, n in found["by_type"].items()}
+                                            for role, found in objects.items()},
+        # Where the machine's cores went while loading and while the follow-ups' plans were timed.
+        "cores_used": run["cores"],
+        # The garbage collector's passes in the ingress's and the directory's processes over the whole load: each
+        # stops that process's Python threads (a full pass walks every tracked object, the mirror's too).
+        "gc_passes": collections,
         "load": {"turns": run["load_turns"], "seconds": round(run["load_s"], 1),
                  "turns_per_s": round(run["load_turns"] / run["load_s"], 1)},
         "follow_ups": {"turns": run["follow_up_turns"], "seconds": round(run["follow_up_s"], 1)},

@@ -86,6 +86,7 @@ def runner(engines: Engines | None = None) -> TurnRunner:
 def recorded(r: TurnRunner) -> dict[str, Any]:
     """Everything planning a turn could record."""
     return {"rotation": r._rotation, "plan_ms": list(r.plan_ms), "plan_cpu_ms": list(r.plan_cpu_ms),
+            "plan_switches": list(r.plan_switches),
             "recent_prompts": len(r.recent_prompts),
             "turn_indexes": list(r.cost.workload._turn_index), "cost_model": copy.deepcopy(r.cost.snapshot()),
             "counters": dict(r.counters)}
@@ -118,6 +119,8 @@ def test_a_turn_that_runs_is_counted_once_and_its_next_turn_continues_it():
     assert r._rotation == 1 and len(r.plan_ms) == 1
     # Its planning's CPU time too: the planner's own cost, whatever waits a busy machine added to its wall time.
     assert len(r.plan_cpu_ms) == 1 and r.plan_cpu_ms[0] > 0
+    # And whether its thread was switched out meanwhile (waits, preemptions): what tells those waits apart.
+    assert len(r.plan_switches) == 1 and all(n >= 0 for n in r.plan_switches[0])
     assert list(r.cost.workload._turn_index) == [0] and len(r.recent_prompts) == 1
 
 
