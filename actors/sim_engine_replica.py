@@ -208,8 +208,12 @@ class SimEngineReplica(ReportsLoad):
                 await progress.wait()
                 progress.clear()
                 if sim.generated > sent and sim.finished_at is None:
-                    yield self._delta(sim, sent)
-                    sent = sim.generated
+                    delta = self._delta(sim, sent)
+                    # Counted before the yield: the engine steps on while the caller holds the delta (on Serve's
+                    # throughput-optimized path the consumer resumes this generator a step or more later), and tokens
+                    # generated meanwhile belong to the next delta.
+                    sent += len(delta.token_ids)
+                    yield delta
             yield self._last_delta(sim, sent, started, alone and not self.load.started_since(started_as))
         finally:
             self._progress.pop(request.request_id, None)

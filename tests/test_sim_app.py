@@ -5,6 +5,7 @@ pulls, fast prefill, migration) is tested on vLLM in the other test files."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from actors.replica_api import GenerateRequest, ReplyParams
+from actors.sim_engine_replica import SimEngineReplica
 from configs.engine import EngineConfig
 from tests.conftest import ServedApp, delete_app, run_app
 
@@ -55,6 +58,28 @@ def test_a_sim_engine_needs_a_known_profile_and_only_sim_engines_take_one() -> N
         EngineConfig(kind="sim", sim_profile="cpu-smollm2", sim_dilation=0)
     # A replica validates its pool's config as dumped, every field set: a vLLM engine's passes as it is.
     assert EngineConfig.model_validate(EngineConfig(model="tiny-llama").model_dump()).kind == "vllm"
+
+
+def test_a_simulated_replica_streams_every_token_to_a_consumer_slower_than_its_steps() -> None:
+    """On Serve's throughput-optimized path (`make serve`'s) a replica's stream is resumed only after its engine has
+    stepped on: each delta must still bring every token made since the one before. Counted after the yield, the
+    tokens made meanwhile were skipped (4-token replies came back with 3, at any position)."""
+
+    async def stream(pause_s: float) -> tuple[list[int], int]:
+        replica = SimEngineReplica(SIM_ENGINE)
+        request = GenerateRequest(request_id="r", prompt_token_ids=list(range(100, 164)),
+                                  params=ReplyParams(max_tokens=12))
+        tokens, counted = [], 0
+        async for delta in replica.generate(request):
+            tokens.extend(delta.token_ids)
+            counted = delta.completion_tokens or counted
+            await asyncio.sleep(pause_s)  # the consumer holds each delta for several of the engine's decode steps
+        return tokens, counted
+
+    prompt_reader, _ = asyncio.run(stream(0.0))
+    slow_reader, counted = asyncio.run(stream(0.02))
+    assert len(prompt_reader) == 12 and counted == 12
+    assert slow_reader == prompt_reader
 
 
 def test_eight_simulated_replicas_answer_a_conversation_with_a_pull(sim_app: ServedApp) -> None:
