@@ -13,6 +13,13 @@ from a turn's end to its blocks planning as a local hit on the ingress (probes t
 growth of the directory's and the ingress's process memory per million blocks (the ingress's growth bounds its
 mirror's), KV block events the directory absorbed per second while loading, and each simulated replica process's
 memory and start-up CPU. Prompts are seeded; placement follows the replicas' real timing.
+
+What explains those figures is measured beside them: the cores each role used (simulated replicas, ingress,
+directory, driver, Ray's daemons) while loading and while planning, the share of plans whose thread was preempted
+or waited, the garbage collector's passes in the ingress and the directory, and the mirror's bytes by type. The app
+runs Serve's request path as `make serve` does, and the simulated replicas at nice 10 by default: they stand in for
+GPU engines, whose work a fleet does not run on its control plane's cores (`--simulator-nice 0` shares the cores
+equally; their KV-event forwarding, part of the control plane, then runs at that priority too).
 """
 
 from __future__ import annotations
