@@ -141,7 +141,7 @@ class TurnRunner:
 
     def record_planned(
         self, turn: Turn, plan: Plan, force: tuple[Mode, str] | None, plan_ms: float, plan_cpu_ms: float,
-        switches: tuple[int, int] = (0, 0),
+        switches: tuple[int, int],
     ) -> None:
         """Count a turn that runs as `plan` (once per turn: not again for its continuation after a lost replica):
         the round-robin baselines' rotation, the queues it found (the replicas' typical waits), the turn's place in its

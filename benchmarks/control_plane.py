@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import signal
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import start_app, stop_app, write_result
+from benchmarks.engine_priority import set_nice
 
 SIM_PROFILE = "h100-llama-3.1-8b"
 MODEL = "tiny-llama"
@@ -187,13 +187,6 @@ def cores_used(before: dict[str, float], after: dict[str, float], seconds: float
     used = {role: (after[role] - before[role]) / seconds for role in after}
     used["other"] = used["machine"] - sum(v for role, v in used.items() if role != "machine")
     return {role: round(v, 2) for role, v in used.items()}
-
-
-def renice(pid: int, nice: int) -> None:
-    """Run every thread of process `pid` at `nice` (Linux sets it per thread; threads they start inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
 def maps_library(pid: int, name: str) -> bool:
@@ -399,8 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         pids = serve_pids()
         processes = replica_processes(idle, fleet_start_s)
         print(f"{args.replicas} replicas up in {fleet_start_s:.0f} s: {processes}", flush=True)
-        for replica in idle["replicas"]:
-            renice(replica["pid"], args.simulator_nice)
+        set_nice([replica["pid"] for replica in idle["replicas"]], args.simulator_nice)
         before = {role: rss(pid) for role, pid in pids.items()}
         for deployment in ("ingress", "kv_directory"):
             on_replica(deployment, time_collections)
