@@ -117,7 +117,7 @@ def choose_site(
         engine_id=engine_id,
         cpu_cores=choose_cores(config, local_rank) if is_cpu else None,
         nixl_host=nixl_host,
-        nixl_port=(nixl.side_channel_port or _free_port(nixl_host)) if nixl_host else None,
+        nixl_port=(nixl.side_channel_port or free_port_range(nixl_host)) if nixl_host else None,
         events_endpoints=events_endpoints(engine_id) if report_events and config.enable_prefix_caching else None,
     )
 
@@ -135,19 +135,30 @@ def events_endpoints(engine_id: str) -> tuple[str, str]:
 SIDE_CHANNEL_PORTS = (20000, 32767)
 
 
-def _free_port(host: str, ports: tuple[int, int] = SIDE_CHANNEL_PORTS, tries: int = 200) -> int:
+_handed_out: set[tuple[str, int]] = set()
+
+
+def free_port_range(host: str, count: int = 1, ports: tuple[int, int] = SIDE_CHANNEL_PORTS, tries: int = 200) -> int:
+    """The first of `count` consecutive ports free on `host` now, from `ports` less the kernel's ephemeral range,
+    for a server that binds them later; never the same port twice in one process."""
     low, high = ports
     ephemeral = _ephemeral_ports()
     if ephemeral is not None:
         high = min(high, ephemeral[0] - 1)
-    for port in random.sample(range(low, high + 1), min(tries, high - low + 1)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port for the NIXL side channel on {host} in {low}-{high}")
+    firsts = range(low, high - count + 2)
+    for first in random.sample(firsts, min(tries, len(firsts))):
+        wanted = [(host, port) for port in range(first, first + count)]
+        if _handed_out.intersection(wanted):
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for _, port in wanted:
+                    stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind((host, port))
+        except OSError:
+            continue
+        _handed_out.update(wanted)
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports on {host} in {low}-{high}")
 
 
 def _ephemeral_ports() -> tuple[int, int] | None:

@@ -11,6 +11,7 @@ the Ray line. Standard library only: it runs before the virtual environment exis
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -68,12 +69,18 @@ def ray_session_logs() -> Path:
 
 
 def direct_ingress(url: str) -> str:
-    """Where the ingress replica answers on its own port in Serve's throughput-optimized mode (`make serve`)."""
-    port = os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT")
-    if os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") != "1" or not port:
+    """Where the ingress replica answers on its own port in Serve's throughput-optimized mode (`make serve`): the
+    first port of Serve's range whose /health answers (a port taken by another process moves it up the range)."""
+    first = os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT")
+    if os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") != "1" or not first:
         return ""
-    host = urllib.parse.urlsplit(url).hostname
-    return f", and on the ingress's own port: http://{host}:{port}/v1"
+    last = os.environ.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", first)
+    parts = urllib.parse.urlsplit(url)
+    for port in range(int(first), int(last) + 1):
+        own = f"{parts.scheme}://{parts.hostname}:{port}"
+        if health(own) is not None:
+            return f", and on the ingress's own port: {own}/v1"
+    return f" (the ingress's own port did not answer /health on {first}-{last})"
 
 
 def health(url: str) -> dict | None:
@@ -86,8 +93,8 @@ def health(url: str) -> dict | None:
             return json.loads(error.read())
         except ValueError:
             return None  # Serve's proxy before the app is deployed
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError, http.client.HTTPException):
+        return None  # nothing listening, or not HTTP/1.1 (another server took the port)
 
 
 def watch(console: Console, proc: subprocess.Popen, log: Path, url: str) -> int:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 import platform
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from actors import engine_site
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,27 +91,21 @@ def loopback_ray_env() -> None:
         os.environ.setdefault(key, "1")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Ports for the servers a benchmark or test starts (Serve's proxy, the ingress replica's own ports): below Ray's fixed
+# ports (6379 and up), its worker ports (10002-19999) and the engines' side channels (`SIDE_CHANNEL_PORTS`), and
+# outside the kernel's ephemeral range, from which any process may take a port before the server binds it (a Ray
+# worker's gRPC server took the ingress's first port once, and the ingress answered on the next).
+SERVER_PORTS = (1024, 5999)
 
 
 def free_port_range(count: int) -> int:
-    """The first of `count` consecutive ports that are free on 127.0.0.1 now."""
-    for _ in range(100):
-        first = free_port()
-        if first + count > 65535:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first, first + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+    """The first of `count` consecutive ports free on 127.0.0.1 now, for a server that binds them later."""
+    return engine_site.free_port_range("127.0.0.1", count, SERVER_PORTS)
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a server that binds it later."""
+    return free_port_range(1)
 
 
 @dataclass

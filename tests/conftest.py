@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from benchmarks.common import free_port
 from kvtransfer.types import Hold, HoldId
 
 # Set before anything imports ray or vllm: loopback only, no token file, no usage reporting, offline.
@@ -122,14 +123,6 @@ def directory(ray_cluster: Any) -> Any:
     handle = start_directory_actor(f"kvd-{uuid.uuid4().hex[:8]}")
     yield handle
     ray_cluster.kill(handle, no_restart=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServedApp:
