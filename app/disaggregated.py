@@ -55,8 +55,8 @@ class DisaggregatedTurnRunner(TurnRunner):
     def _leaves_holds(self, turn: Turn, stage: str) -> bool:
         # The prefill always hands its KV over. The decode leaves the history for the next turn only under a policy
         # that pulls it back: otherwise its hold would only pin the decode replica's blocks until its lease ends
-        # (vLLM's P/D without pull-back keeps none).
-        return stage == "prefill" or turn.policy.pulls
+        # (vLLM's P/D without pull-back keeps none), and only for a turn whose history a later turn may read.
+        return stage == "prefill" or (turn.policy.pulls and turn.keeps_history)
 
     async def _execute(
         self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,

@@ -152,10 +152,11 @@ class Ingress:
         return await self._result(turn, force)
 
     async def _calibration_turn(self, token_ids: list[int], sampling: dict[str, Any], force: tuple[str, str],
-                                tenant: str) -> TurnResult:
-        """One forced turn of the start-up calibration (`kvtransfer.calibration.calibrate`'s `run_turn`)."""
+                                tenant: str, hold: bool = False) -> TurnResult:
+        """One forced turn of the start-up calibration (`kvtransfer.calibration.calibrate`'s `run_turn`); `hold`:
+        a later calibration turn pulls its history."""
         turn = Turn(new_id("turn"), list(token_ids), Sampling.model_validate(sampling).to_params(), tenant,
-                    policy=self.policy, calibration=True)
+                    policy=self.policy, calibration=True, calibration_hold=hold)
         return await self._result(turn, force)
 
     async def _result(self, turn: Turn, force: tuple[str, str] | None) -> TurnResult:

@@ -71,8 +71,18 @@ class Turn:
     # A turn of the start-up calibration (kvtransfer/calibration.py): forced, yet it teaches the planner's estimate
     # error; its output length (set by the calibration) says nothing of how long turns decode.
     calibration: bool = False
+    # A calibration turn whose history a later calibration turn pulls: the only calibration turns that leave a hold.
+    calibration_hold: bool = False
     # The token ids hashed into blocks (`TurnRunner.key`): once per turn, not per plan and request.
     key: PrefixKey | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def keeps_history(self) -> bool:
+        """Whether a later turn may read this turn's history from a hold: every turn's but the calibration's, of which
+        only those whose history a later calibration turn pulls. The others' holds would pin their KV blocks, and count
+        against the engine's hold budget, until their leases end, for nobody (half of a tiny test engine's cache for
+        30 s after start-up)."""
+        return not self.calibration or self.calibration_hold
 
 
 @dataclass

@@ -243,7 +243,7 @@ class TurnRunner:
         """Whether the turn's `stage` request exports a hold: only policies that pull need them, and only where another
         replica could pull it. A lone replica's hold would pin its KV blocks until the lease ends, for nobody (no
         other replica can release it either): under load they filled the cache and stalled every new request."""
-        return turn.policy.pulls and len(self.replicas()) > 1
+        return turn.policy.pulls and turn.keeps_history and len(self.replicas()) > 1
 
     async def _execute(
         self, turn: Turn, plan: Plan, pull: Hold | None, outcome: TurnOutcome, started: float,

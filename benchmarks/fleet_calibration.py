@@ -34,14 +34,15 @@ def calibrate(fleet: Fleet) -> None:
     if len(ids) < 2:
         return
 
-    def conversation(n: int, output: int = 1) -> LiveConversation:
+    def conversation(n: int, output: int = 1, hold: bool = False) -> LiveConversation:
         def tokens(k: int) -> list[int]:
             return [rng.randrange(100, VOCAB) for _ in range(k)]
 
         turns = [Turn(user_tokens=[], output_tokens=tokens(output), think_s=0)] + [
             Turn(user_tokens=tokens(32), output_tokens=tokens(1), think_s=0) for _ in range(2)]
         return fleet.new_conversation(Conversation(conv_id=f"calibration-{rng.random()}", tenant=CALIBRATION_TENANT,
-                                                   calibration=True, start_s=0, prefix_tokens=tokens(n), turns=turns))
+                                                   calibration=True, calibration_hold=hold, start_s=0,
+                                                   prefix_tokens=tokens(n), turns=turns))
 
     def forced(live: LiveConversation, mode: Mode, replica: str) -> None:
         finished: list[bool] = []
@@ -49,7 +50,7 @@ def calibrate(fleet: Fleet) -> None:
         fleet.run_until_idle(done=lambda: bool(finished))
 
     def pull_after_recompute(n: int, holder: str, puller: str, local: bool = True) -> None:
-        live = conversation(n)
+        live = conversation(n, hold=True)
         forced(live, Mode.RECOMPUTE, holder)
         forced(live, Mode.PULL, puller)
         if local and fleet.by_id[holder].prefix_caching:

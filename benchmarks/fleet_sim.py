@@ -164,6 +164,9 @@ class Fleet:
         key = live.key.extend(turn.user_tokens)
         policy = get_policy(tenant_policy) if tenant_policy else self.policy
         pulls = policy.pulls and len(self.engines) > 1
+        # Whether the turn's last stage leaves its history held for the next turn: of the calibration's turns, only a
+        # first turn that the next one pulls from (as in the app, `Turn.keeps_history`).
+        keeps = pulls and (not conv.calibration or (conv.calibration_hold and index == 0))
         turn_index: int | None = index
         baseline = self.recompute_baseline and self._serving
         if force is None and baseline:
@@ -194,11 +197,11 @@ class Fleet:
         request = SimRequest(f"q{self._request_seq}", prompt, output[:1] if disaggregated else output, hashes,
                              self.now, cache_salt=conv.tenant,
                              skip_cache=force is not None and force[0] is Mode.RECOMPUTE,
-                             export_hold=disaggregated or pulls, planned_reused=plan.reused_tokens)
+                             export_hold=disaggregated or keeps, planned_reused=plan.reused_tokens)
         t = TurnInFlight(live, index, plan, self.now, prompt, request, forced=force is not None and not baseline,
                   on_done=on_done)
         t.output = output
-        t.pulls = pulls
+        t.pulls = keeps
         target = self.by_id[plan.replica_id]
         if reads_hold(plan):
             self._read_hold(t, target)

@@ -118,6 +118,9 @@ class Conversation(BaseModel):
     tenant: str
     # The start-up calibration's (benchmarks/fleet_calibration.py): forced turns that still teach the estimate error.
     calibration: bool = False
+    # A calibration conversation whose second turn pulls its first's history: of the calibration's turns, only such a
+    # first turn leaves a hold (`Turn.keeps_history` in app/turn_types.py).
+    calibration_hold: bool = False
     start_s: float | None  # poisson arrivals; None: when a client is free
     prefix_tokens: list[int]  # system prompt and the conversation's own prefix
     turns: list[Turn]

@@ -1,8 +1,10 @@
 """Seeding the cost model at start-up: a few recomputes and pulls measured on the live replicas.
 
 Synthetic turns run under their own tenant, so they never match a real conversation, and are marked as calibration
-(`Turn.calibration`): they teach the estimate error though forced, and not how long turns decode. Calibration only
-sharpens the cost model's priors; serving never waits for it or depends on it.
+(`Turn.calibration`): they teach the estimate error though forced, and not how long turns decode. Only the turns whose
+history a later calibration turn pulls leave a hold (`hold=True`): any other's would pin its KV blocks, and count
+against its engine's hold budget, until the lease ends, for nobody. Calibration only sharpens the cost model's priors;
+serving never waits for it or depends on it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class TurnResultLike(Protocol):
     token_ids: list[int]
 
 
-# Runs one turn: (token ids, sampling, (mode, replica) to force, tenant) -> its result (the ingress's `turn`).
+# Runs one turn: (token ids, sampling, (mode, replica) to force, tenant=..., hold=...) -> its result; `hold`: whether
+# the turn leaves its history held for a later turn to pull (`Ingress._calibration_turn`).
 RunTurn = Callable[..., Awaitable[TurnResultLike]]
 
 
@@ -51,8 +54,8 @@ async def calibrate(
 ) -> None:
     """Wait for `wanted` replicas of the prefill pool, then time recomputes and pulls of a few lengths on them.
 
-    `run_turn(token_ids, sampling, force, tenant=...)` runs one forced turn through the turn path, which feeds
-    its timings to `cost`; `prefill_replicas()` lists the live replicas turns may start on.
+    `run_turn(token_ids, sampling, force, tenant=..., hold=...)` runs one forced turn through the turn path, which
+    feeds its timings to `cost`; `prefill_replicas()` lists the live replicas turns may start on.
     """
     try:
         # Wait for the whole prefill pool: pulls can only be measured between two replicas.
@@ -67,12 +70,12 @@ async def calibrate(
         rng = random.Random(0)
         lengths = [n for n in (64, 256, 1024, 2048) if n + 64 < max_model_len]
 
-        async def turn(token_ids: list[int], force: tuple[str, str]) -> Any:
-            return await run_turn(token_ids, ONE_TOKEN, force, tenant=CALIBRATION_TENANT)
+        async def turn(token_ids: list[int], force: tuple[str, str], hold: bool = False) -> Any:
+            return await run_turn(token_ids, ONE_TOKEN, force, tenant=CALIBRATION_TENANT, hold=hold)
 
         async def pull_after_recompute(n: int, holder: str, puller: str, local: bool = True) -> None:
             history = [rng.randrange(100, vocab) for _ in range(n)]
-            first = await turn(history, ("recompute", holder))
+            first = await turn(history, ("recompute", holder), hold=True)
             follow_up = history + first.token_ids + [rng.randrange(100, vocab) for _ in range(32)]
             await turn(follow_up, ("pull", puller))
             if local:

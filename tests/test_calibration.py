@@ -15,7 +15,7 @@ from kvtransfer.cost_model import CostModel
 def test_contention_is_measured_while_the_other_engine_is_working():
     spans: list[tuple[str, float, float]] = []
 
-    async def run_turn(token_ids, sampling, force, tenant=""):
+    async def run_turn(token_ids, sampling, force, tenant="", hold=False):
         started = time.monotonic()
         # The long background turns decode for a while; the measured prefills are short.
         await asyncio.sleep(1.0 if sampling["max_tokens"] > 1 else 0.02)
@@ -43,7 +43,7 @@ def test_the_calibration_times_a_turn_decoding_alone():
     that ran alone: the calibration runs one, so an app that is never idle later still has it measured."""
     spans: list[tuple[dict, tuple[str, str], float, float]] = []
 
-    async def run_turn(token_ids, sampling, force, tenant=""):
+    async def run_turn(token_ids, sampling, force, tenant="", hold=False):
         started = time.monotonic()
         await asyncio.sleep(0.2 if sampling["max_tokens"] > 1 else 0.005)
         spans.append((sampling, force, started, time.monotonic()))
@@ -56,3 +56,25 @@ def test_the_calibration_times_a_turn_decoding_alone():
     assert len(alone) == 1, "no turn decoded alone"
     sampling, force, _, _ = alone[0]
     assert sampling["ignore_eos"] and sampling["max_tokens"] >= 8 and force[0] == "recompute"
+
+
+def test_only_turns_whose_history_the_calibration_pulls_leave_a_hold():
+    """A hold pins its KV blocks, and counts against its engine's hold budget, until it is read or its lease ends:
+    the calibration asks for one only where a later turn of its own pulls that history, so the app starts serving
+    with its engines' caches and hold budgets free (`Turn.keeps_history`)."""
+    turns: list[tuple[list[int], tuple[str, str], bool]] = []
+
+    async def run_turn(token_ids, sampling, force, tenant="", hold=False):
+        turns.append((list(token_ids), force, hold))
+        return SimpleNamespace(token_ids=[7] * sampling["max_tokens"])
+
+    asyncio.run(calibrate(run_turn, lambda: ["a", "b"], 2, CostModel(lambda n: 1024 * n), 1000, 4096))
+    held = [i for i, (_, _, hold) in enumerate(turns) if hold]
+    pulled = [i for i, (_, force, _) in enumerate(turns) if force[0] == "pull"]
+    assert held and len(held) == len(pulled) < len(turns) // 2
+    for i in held:
+        # Each held history is the one the next turn pulls to the other replica.
+        history, (mode, holder), _ = turns[i]
+        follow_up, (next_mode, puller), _ = turns[i + 1]
+        assert mode == "recompute" and next_mode == "pull" and puller != holder
+        assert follow_up[: len(history)] == history

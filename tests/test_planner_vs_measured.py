@@ -173,8 +173,8 @@ def forced_ttft_ms(app: ServedApp, follow_up: list[int], mode: str, target: str,
 
 
 def wait_for_unpinned_caches(app: ServedApp, timeout_s: float) -> None:
-    """Until no replica's KV cache is more than a tenth in use: the holds that earlier turns left (the start-up
-    calibration's pin half of one replica's cache) have ended, and every replica can hold a case's history."""
+    """Until no replica's KV cache is more than a tenth in use (what holds left by earlier turns pin): every replica can
+    hold a case's history."""
     deadline = time.monotonic() + timeout_s
     while True:
         usage = {r["replica_id"]: r["kv_cache_usage"] for r in app.ingress.stats.remote().result()["replicas"]}
@@ -262,10 +262,17 @@ def planner_app(serve_port) -> Iterator[ServedApp]:
     delete_app("planner")
 
 
+def test_the_start_up_calibration_leaves_no_kv_cache_pinned(planner_app):
+    """The calibration's turns leave a hold only where a later calibration turn pulls it, which ends it: once the app
+    is calibrated, its engines' caches are free for the first conversations (heartbeats are half a second apart).
+    Before, its other turns' holds pinned half of one tiny-llama replica's cache, its whole hold budget, for their
+    30 s lease: a first conversation's turn there left no hold to read or pull."""
+    wait_for_unpinned_caches(planner_app, 5.0)
+
+
 @pytest.fixture(scope="module")
 def measured(planner_app: ServedApp) -> list[Measured]:
     replicas = planner_app.replica_ids(2)
-    # The calibration's holds pin half of one replica's cache until their lease ends.
     wait_for_unpinned_caches(planner_app, 2 * TINY_ENGINE["nixl"]["hold_ttl_s"])
     rng = random.Random("planner vs measured")
     results = []
