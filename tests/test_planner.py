@@ -376,31 +376,6 @@ def test_the_planner_corrects_for_its_own_measured_error():
                                                                        "samples": 8}
 
 
-def test_with_nothing_cached_an_idle_engine_beside_a_busy_one_starts_only_for_a_gain_beyond_the_noise():
-    """Four first turns arrive at once, nothing of them cached anywhere: starting the idle engine beside the busy one
-    is a departure from queueing where prefix affinity would, taken only where it costs less by more than the
-    planner's measured uncertainty for the two kinds of turn (on two shared cores the engines slow each other by more
-    than the contention fit says, and one app that spread such a burst lost 13% of TTFT p50 to the one that did not)."""
-    views = [ReplicaView("a", prefill_tokens=1000, prefilling=1), ReplicaView("b", peers=(peer(1, 1000),))]
-
-    def first_turn(cost: CostModel) -> str:
-        return plan_turn(1000, lookup(1000), views, cost, output_tokens=16, turn_index=0).replica_id
-
-    def unsure_by(cost: CostModel, ms: float) -> CostModel:
-        for i in range(cost.error.MIN_SAMPLES):  # errors of +-ms around a median of 0: offsets unchanged
-            error = ms if i % 2 else -ms
-            cost.error.observe(Mode.RECOMPUTE, 0, 500.0, 500.0 + error, busy_target=True)  # on a busy engine
-            cost.error.observe(Mode.RECOMPUTE, 1, 500.0, 500.0 + error)  # on an idle one beside a busy one
-        return cost
-
-    # On "b" the turn's own first token comes 214 ms sooner and delays a's waiting one by 92: 122 ms cheaper in all.
-    assert first_turn(contended(0.3)) == "b"  # nothing measured of the estimates' errors yet
-    assert first_turn(unsure_by(contended(0.3), 50.0)) == "b"  # 122 ms beyond the noise, 71 ms
-    assert first_turn(unsure_by(contended(0.3), 100.0)) == "a"  # within it, 141 ms: the turn queues
-    # Engines that do not share compute: starting an idle one slows nobody, and the turn goes there.
-    assert first_turn(unsure_by(calibrated(prefill_ms_per_token=0.3), 100.0)) == "b"
-
-
 def test_an_option_without_its_own_error_samples_pays_the_overhead_measured_for_all():
     cost = calibrated(prefill_ms_per_token=0.3)
     for _ in range(cost.error.MIN_SAMPLES):

@@ -41,45 +41,25 @@ def stay_unless_clearly_faster(
 ) -> Option:
     """`best` (the cheapest option, by `fastest`), unless it leaves the replica caching the longest part of the
     history, or pulls onto it what it could compute from its own cache, without costing at least `margin` and
-    `margin_ms` less than staying there, and less by more than the planner's measured uncertainty for the two kinds
-    of turn (`departure_noise_ms`); where nothing is cached, unless it starts an idle engine beside busy ones that
-    share its node's compute without costing less than joining a busy engine by more than that uncertainty. A pull
-    costs more than its estimate shows: the holder's CPU for the transfer, and a second copy of the KV (measured in
-    P/D, where kvrelay pulled onto the prefill replica whenever the estimate was a few percent lower: every turn of
-    that run came slower than on the replica's own cache alone). And a gain within what the estimates miss by is no
-    gain: with a badly calibrated cost model (an error offset learned on other turns, a kind with few samples) the
-    planner keeps the affinity choice instead of moving on noise."""
+    `margin_ms` less than staying there, and less by more than the planner's measured uncertainty for the two
+    kinds of turn (`departure_noise_ms`). A pull costs more than its estimate shows: the holder's CPU for the
+    transfer, and a second copy of the KV (measured in P/D, where kvrelay pulled onto the prefill replica whenever
+    the estimate was a few percent lower: every turn of that run came slower than on the replica's own cache alone).
+    And a gain within what the estimates miss by is no gain: with a badly calibrated cost model (an error offset
+    learned on other turns, a kind with few samples) the planner keeps the affinity choice instead of moving on
+    noise."""
     stays = [o for o in options if o.mode is Mode.LOCAL]
-    if stays:
-        most = max(o.reused_tokens for o in stays)
-        homes = {o.replica_id for o in stays if o.reused_tokens == most}
-        stay = min((o for o in stays if o.replica_id in homes), key=lambda o: o.cost_ms)
-    else:
-        joining = [o for o in options if not starts_engine_beside_busy(o, situations)]
-        if len(joining) == len(options) or not joining:
-            return best
-        # Nothing of the prompt is cached anywhere, and the cheapest option may start an idle engine beside busy ones
-        # on a node whose engines share compute: that engine slows them by a contention the fits measure only roughly
-        # (the opening burst of aiperf's multi-turn conversations, four first turns at once, went to the engine
-        # already prefilling one in one app and half to the idle engine beside it in the other, their costs a few
-        # percent apart; there the busy engine's turns came 4% slower and the two conversations on the other engine
-        # took twice their estimates for the rest of the run, under the client on the same cores). Queueing on a busy
-        # engine is what prefix affinity does; starting another is the departure, taken for a gain beyond the noise.
-        stay = min(joining, key=lambda o: o.cost_ms)
-        margin, margin_ms = 0.0, 0.0
+    if not stays:
+        return best
+    most = max(o.reused_tokens for o in stays)
+    homes = {o.replica_id for o in stays if o.reused_tokens == most}
+    stay = min((o for o in stays if o.replica_id in homes), key=lambda o: o.cost_ms)
     if best.replica_id == stay.replica_id and best.mode is not Mode.PULL:
         return best
     noise = departure_noise_ms(stay, best, cost, situations)
     if best.cost_ms <= stay.cost_ms * (1 - margin) - margin_ms - noise:
         return best
     return stay
-
-
-def starts_engine_beside_busy(option: Option, situations: dict[str, tuple[int, bool]]) -> bool:
-    """Whether `option`'s target is an idle engine with busy engines beside it that it would slow (`situations`: each
-    replica's contending busy peers, 0 where engines do not share compute, and whether it is a busy target)."""
-    contending, busy = situations.get(option.replica_id, (0, False))
-    return contending > 0 and not busy
 
 
 def departure_noise_ms(stay: Option, move: Option, cost: CostModel, situations: dict[str, tuple[int, bool]]) -> float:
