@@ -29,6 +29,8 @@ class InFlight:
         self._requests: dict[str, dict[str, list]] = {}
         # replica -> (start time, where its prompt ended: `PrefixKey.prompt_end`) of requests within the rate window
         self._arrivals: dict[str, deque[tuple[float, BlockHash | None]]] = {}
+        # replica -> when its latest first token came (its engine then moved on to the next prefill in line)
+        self._first_token_at: dict[str, float] = {}
 
     def started(self, replica_id: str, request_id: str, new_tokens: int, prompt_end: BlockHash | None = None) -> None:
         now = self._clock()
@@ -81,6 +83,7 @@ class InFlight:
         entry = self._requests.get(replica_id, {}).get(request_id)
         if entry is not None:
             entry[2] = None
+            self._first_token_at[replica_id] = self._clock()
 
     def ended(self, replica_id: str, request_id: str) -> None:
         now = self._clock()
@@ -100,6 +103,13 @@ class InFlight:
         live = [(started, pending) for started, ended, pending in mine if ended is None]
         others = max(0, stats.running + stats.waiting - seen_by_heartbeat)
         prefilling = [pending for _, pending in live if pending is not None]
+        elapsed_ms = 0.0
+        if prefilling:
+            # The engine has worked on these prefills since the oldest was sent, or since the prefill before it in
+            # line gave its first token: that part of them is done.
+            oldest = min(started for started, pending in live if pending is not None)
+            began = max(oldest, self._first_token_at.get(stats.replica_id, oldest))
+            elapsed_ms = max(0.0, self._clock() - began) * 1e3
         return ReplicaView(
             stats.replica_id,
             running=others + len(live) - len(prefilling),
@@ -108,4 +118,5 @@ class InFlight:
             prefill_tokens=sum(prefilling),
             prefilling=len(prefilling),
             arrival_rate=self.arrival_rate(stats.replica_id, conversation),
+            prefill_elapsed_ms=elapsed_ms,
         )

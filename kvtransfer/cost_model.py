@@ -190,10 +190,18 @@ class CostModel:
         other queued requests (256 tokens each, a guess), and one decode step if the engine is decoding (vLLM
         batches a new prefill with the running decodes, so they cost it about one step, not one each)."""
         peers, replica = load.busy_peers, load.replica_id
-        ahead = self.queued_prefill_ms(load.prefill_tokens, load.prefilling, peers, replica)
+        ahead = self.backlog_ms(load)
         if load.waiting:
             ahead += load.waiting * self.recompute_ms(256, 0, peers, replica)
         return ahead + (self.step_ms(load) if load.running else 0.0)
+
+    def backlog_ms(self, load: ReplicaView) -> float:
+        """The prefills known to be queued or running on a replica beside its busy peers (`load.prefill_tokens`), less
+        what its engine has done of them (`load.prefill_elapsed_ms`). Counted whole until their first tokens, a first
+        turn's 1,000-token prefill half done still looked a whole one away, and of two CPU engines the busy one looked
+        further off than it was."""
+        ms = self.queued_prefill_ms(load.prefill_tokens, load.prefilling, load.busy_peers, load.replica_id)
+        return max(0.0, ms - load.prefill_elapsed_ms)
 
     def queued_prefill_ms(
         self, tokens: int, requests: int, busy_peers: int = 0, replica_id: str | None = None

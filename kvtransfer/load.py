@@ -25,6 +25,10 @@ class ReplicaView(NamedTuple):
     arrival_rate: float = 0.0
     # Other replicas on the same node that are busy now (they share its CPUs), each as its own view (without peers).
     peers: tuple[ReplicaView, ...] = ()
+    # How long its engine has been computing the prefills in `prefill_tokens` (since the oldest was sent, or since the
+    # prefill before it gave its first token, whichever came later): the part of them already done. 0 where
+    # `prefill_tokens` counts only what is still to compute (the fleet study's engines report that).
+    prefill_elapsed_ms: float = 0.0
 
     @property
     def busy_peers(self) -> int:

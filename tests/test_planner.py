@@ -355,6 +355,41 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     assert (view.running, view.prefill_tokens) == (0, 40)  # r3 ended: no phantom load left behind
 
 
+def test_a_busy_engines_queue_is_what_its_prefills_have_left():
+    """A prefill in flight is partly done: the queue a new turn finds is the known prefills less what the engine has
+    computed of them since it started the oldest (when it was sent, or when the prefill before it gave its first
+    token). Counted whole, a first turn's prefill nearly done made its engine look a whole prefill away, and the
+    planner started the idle engine beside it, on two shared cores slower for every turn after."""
+    from actors.replica_api import ReplicaStats
+    from app.inflight import InFlight
+
+    now = [100.0]
+    inflight = InFlight(clock=lambda: now[0])
+    beat = ReplicaStats(replica_id="a", at=99.0, running=0, waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
+                        prefill_tok_s=None, decode_tok_s=None, requests_finished=0)
+    cost = calibrated(prefill_ms_per_token=0.3)
+    whole = cost.queued_prefill_ms(1000, 1)  # about 305 ms
+    inflight.started("a", "first", 1000)
+    now[0] = 100.2
+    view = inflight.view(beat)
+    assert (view.prefill_tokens, view.prefill_elapsed_ms) == (1000, pytest.approx(200.0))
+    assert cost.queue_ms(view) == pytest.approx(whole - 200.0)
+    # A second turn sent meanwhile waits behind the first: the engine starts it once the first gives its first token.
+    inflight.started("a", "second", 1000)
+    now[0] = 100.4
+    inflight.first_token("a", "first")
+    now[0] = 100.45
+    view = inflight.view(beat)
+    assert (view.prefill_tokens, view.prefill_elapsed_ms) == (1000, pytest.approx(50.0))
+    step = cost.decode_step_ms  # the first one decodes now: a new prefill also waits a step of it
+    assert cost.queue_ms(view) == pytest.approx(whole - 50.0 + step)
+    # Longer than the estimate: no prefill is left to wait for, whatever the estimate said.
+    now[0] = 101.5
+    assert cost.queue_ms(inflight.view(beat)) == pytest.approx(step)
+    # Where a view counts only what is left (the fleet study's engines), nothing is taken off.
+    assert cost.queue_ms(ReplicaView("a", prefill_tokens=1000, prefilling=1)) == pytest.approx(whole)
+
+
 def test_the_planner_corrects_for_its_own_measured_error():
     cost = calibrated(prefill_ms_per_token=0.3)
     # A new 1000-token conversation: "a" is busy decoding, "b" idle beside it (so b's engine has a busy peer).
