@@ -102,12 +102,12 @@ class InFlight:
         )
         live = [(started, pending) for started, ended, pending in mine if ended is None]
         others = max(0, stats.running + stats.waiting - seen_by_heartbeat)
-        prefilling = [pending for _, pending in live if pending is not None]
+        prefilling = [(started, pending) for started, pending in live if pending is not None]
         elapsed_ms = 0.0
         if prefilling:
             # The engine has worked on these prefills since the oldest was sent, or since the prefill before it in
             # line gave its first token: that part of them is done.
-            oldest = min(started for started, pending in live if pending is not None)
+            oldest = min(started for started, _ in prefilling)
             began = max(oldest, self._first_token_at.get(stats.replica_id, oldest))
             elapsed_ms = max(0.0, self._clock() - began) * 1e3
         return ReplicaView(
@@ -115,7 +115,7 @@ class InFlight:
             running=others + len(live) - len(prefilling),
             waiting=0,
             decode_tok_s=stats.decode_tok_s,
-            prefill_tokens=sum(prefilling),
+            prefill_tokens=sum(pending for _, pending in prefilling),
             prefilling=len(prefilling),
             arrival_rate=self.arrival_rate(stats.replica_id, conversation),
             prefill_elapsed_ms=elapsed_ms,

@@ -201,7 +201,7 @@ class Fleet:
         t = TurnInFlight(live, index, plan, self.now, prompt, request, forced=force is not None and not baseline,
                   on_done=on_done)
         t.output = output
-        t.pulls = keeps
+        t.leaves_hold = keeps
         target = self.by_id[plan.replica_id]
         if reads_hold(plan):
             self._read_hold(t, target)
@@ -280,7 +280,7 @@ class Fleet:
         live = t.live
         key = live.key.extend(live.conv.turns[t.index].user_tokens)
         live.tokens = t.prompt + r.output_ids
-        if hold is not None and not t.pulls:
+        if hold is not None and not t.leaves_hold:
             hold.release()  # P/D's decode holds only for policies that pull the history back
             hold = None
         live.key = key.extend(r.output_ids)
@@ -312,7 +312,7 @@ class Fleet:
             self.at(request.kv_ready_at, lambda: (prefill_hold.release(), self._report_events(prefill)))
         plan = t.plan._replace(replica_id=target.replica_id)
         d = TurnInFlight(t.live, t.index, plan, self.now, t.prompt, request, forced=True, on_done=t.on_done,
-                  decode_stage=True, output=t.output, pulls=t.pulls)
+                  decode_stage=True, output=t.output, leaves_hold=t.leaves_hold)
         self._turns[request.request_id] = d
         target.add(request)
         self._report_events(prefill)

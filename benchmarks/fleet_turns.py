@@ -59,7 +59,7 @@ class TurnInFlight:
     kv_wait_ms: float | None = None
     decode_stage: bool = False  # P/D: the decode pool's part of the turn (its first token was the prefill's)
     output: list[int] = field(default_factory=list)
-    pulls: bool = False  # its last stage leaves a hold for the next turn (its policy pulls; not a calibration's own)
+    leaves_hold: bool = False  # its last stage leaves a hold for the next turn (its policy pulls; not a calibration's)
 
 
 @dataclass

@@ -200,8 +200,8 @@ class CostModel:
         what its engine has done of them (`load.prefill_elapsed_ms`). Counted whole until their first tokens, a first
         turn's 1,000-token prefill half done still looked a whole one away, and of two CPU engines the busy one looked
         further off than it was."""
-        ms = self.queued_prefill_ms(load.prefill_tokens, load.prefilling, load.busy_peers, load.replica_id)
-        return max(0.0, ms - load.prefill_elapsed_ms)
+        return load.left_of(self.queued_prefill_ms(load.prefill_tokens, load.prefilling, load.busy_peers,
+                                                   load.replica_id))
 
     def queued_prefill_ms(
         self, tokens: int, requests: int, busy_peers: int = 0, replica_id: str | None = None

@@ -30,6 +30,10 @@ class ReplicaView(NamedTuple):
     # `prefill_tokens` counts only what is still to compute (the fleet study's engines report that).
     prefill_elapsed_ms: float = 0.0
 
+    def left_of(self, queued_ms: float) -> float:
+        """What remains of prefills priced at `queued_ms` in all, less what the engine has done of them."""
+        return max(0.0, queued_ms - self.prefill_elapsed_ms)
+
     @property
     def busy_peers(self) -> int:
         return len(self.peers)

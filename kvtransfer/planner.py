@@ -165,10 +165,9 @@ class _BusyPeers:
         """Over the waiting requests, how long each waits while a turn occupies an engine beside them for
         `occupancy_ms`: the overlap with its engine's queued prefills, whichever ends first."""
         if self._backlog_ms is None:
-            # Each one's queued prefills, less what its engine has done of them (`CostModel.backlog_ms`).
-            backlog = sorted((max(0.0, self._cost.queued_prefill_ms(p.prefill_tokens, p.awaiting_first_token)
-                                  - p.prefill_elapsed_ms), p.awaiting_first_token)
-                             for p in self._peers if p.awaiting_first_token)
+            # Each one's queued prefills, less what its engine has done of them.
+            backlog = sorted((p.left_of(self._cost.queued_prefill_ms(p.prefill_tokens, p.awaiting_first_token)),
+                              p.awaiting_first_token) for p in self._peers if p.awaiting_first_token)
             self._backlog_ms = [ms for ms, _ in backlog]
             # Over the backlogs before each index: their waiting requests x backlog, and their waiting requests.
             self._work = list(accumulate((ms * n for ms, n in backlog), initial=0.0))
