@@ -57,15 +57,15 @@ class BlockMap:
 
     @staticmethod
     def _index(high: int, low: int, bucket: Bucket) -> int:
-        """Where the hash (`high`, `low`) is in `bucket`; -1 if it is not there."""
+        """Where the hash (`high`, `low`) is in `bucket`; if it is not there, -1 - where it would go."""
         highs = bucket[0]
-        i = bisect_left(highs, high)
+        i = where = bisect_left(highs, high)
         n = len(highs)
         while i < n and highs[i] == high:  # hashes that share a first half (rare) are next to each other
             if bucket[1][i] == low:
                 return i
             i += 1
-        return -1
+        return -1 - where
 
     def get(self, key: BlockHash, default: Any = None) -> Any:
         high, low = _halves(key)
@@ -93,11 +93,25 @@ class BlockMap:
         i = self._index(high, low, bucket)
         if i >= 0:
             bucket[2][i] = record
-            return
+        else:
+            self._insert(high, low, -1 - i, record)
+
+    def add(self, key: BlockHash, record: Any) -> Any:
+        """Give `key` the record `record` unless it has one: returns the record it had, None if it had none (one
+        search where a get and a set take two). Records are never None."""
+        high, low = _halves(key)
+        bucket = self._buckets[high & _MASK]
+        i = self._index(high, low, bucket)
+        if i >= 0:
+            return bucket[2][i]
+        self._insert(high, low, -1 - i, record)
+        return None
+
+    def _insert(self, high: int, low: int, i: int, record: Any) -> None:
+        bucket = self._buckets[high & _MASK]
         if bucket is _NO_BUCKET:
             bucket = self._buckets[high & _MASK] = (array("Q"), array("Q"), [])
             self._made += 1
-        i = bisect_left(bucket[0], high)
         bucket[0].insert(i, high)
         bucket[1].insert(i, low)
         bucket[2].insert(i, record)

@@ -67,9 +67,8 @@ class ResidentIndex(ChainIndex):
         near: tuple[Segment | None, int] = (None, -1)  # where the previous block was found: this one is likely next
         prev_plain = False  # whether the previous block is a new plain entry of this segment
         for key in hashes:
-            node = nodes.get(key)
-            if node is None:  # the common case: a new block, recorded in its segment alone
-                nodes[key] = seg
+            node = nodes.add(key, seg)
+            if node is None:  # the common case: a new block, now recorded in its segment alone
                 seg_hashes += key
                 seg_refs.append(1)
                 self._bytes += NODE_BYTES
