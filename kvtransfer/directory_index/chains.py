@@ -12,7 +12,6 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtransfer.directory_index.block_map import BlockMap
 from kvtransfer.directory_index.records import (
     FULL_NODE_BYTES,
     NODE_BYTES,
@@ -66,8 +65,8 @@ class ChainIndex:
         self.epoch = uuid.uuid4().hex
         self._clock = clock
         # Every block held by any replica: its full Node, or, for a block that is only one replica's cache entry,
-        # its cache segment (see `Segment`): ~30 bytes a block here and its hash in the segment in the common case.
-        self._nodes: BlockMap = BlockMap()
+        # its cache segment (see `Segment`): one dict slot and one hash per block in the common case.
+        self._nodes: dict[BlockHash, Node | Segment] = {}
         self._holds: dict[HoldId, HoldRecord] = {}  # by the id the holder's replica minted
         # The block each pending hold's prompt ends at (`HoldRecord.prompt_end`), with how many holds end there.
         self._prompt_ends: dict[BlockHash, int] = {}
@@ -76,7 +75,7 @@ class ChainIndex:
         self._replicas: dict[str, ReplicaRecord] = {}
         self._by_index: dict[int, ReplicaRecord] = {}
         self._next_chain_id = 1  # the next cache segment's
-        self._bytes = 0  # what the entries cost (the block map's buckets aside: `_total_bytes`)
+        self._bytes = 0
         self._resident_blocks = 0
         self._lookups = 0
         self._lookup_hits = 0
@@ -128,7 +127,7 @@ class ChainIndex:
         return rep.resident.get(key) if value is not None else None
 
     def _expand(self, key: BlockHash, seg: Segment, position: int) -> Node:
-        """Give a plain cache entry (`seg.hash_at(position)`) a full Node: a second replica, a hold or a hole is
+        """Give a plain cache entry (`seg.hashes[position]`) a full Node: a second replica, a hold or a hole is
         about to touch it."""
         node = Node(seg.parent_of(position))
         node.rmask = node.mask = seg.mask
@@ -151,7 +150,10 @@ class ChainIndex:
             return hint  # a hole
         position = seg.position(key, hint[1] if seg is hint[0] else -1)
         seg.refs[position] = node.rrefs
-        self._nodes[key] = seg
+        # Keyed by the segment's own hash object again: a node made before the replica's event came (a hold recorded
+        # first) has another, and assigning to an existing key would keep both alive (64 bytes a block).
+        del self._nodes[key]
+        self._nodes[seg.hashes[position]] = seg
         self._bytes -= FULL_NODE_BYTES + RESIDENT_NODE_BYTES
         return seg, position
 

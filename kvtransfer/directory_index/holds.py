@@ -115,11 +115,11 @@ class HoldIndex(ChainIndex):
         i = depth - 1
         key: BlockHash | None = hashes[i * H : (i + 1) * H]
         while key is not None:
+            # One bytes object per hash: a new node's parent pointer is its new parent's dict key.
             parent = hashes[(i - 1) * H : i * H] if i else None
-            fresh = Node(parent)
-            node = nodes.add(key, fresh)
+            node = nodes.get(key)
             if node is None:
-                node = fresh
+                node = nodes[key] = Node(parent)
                 self._bytes += NODE_BYTES + FULL_NODE_BYTES
                 created += 1
             elif type(node) is Segment:

@@ -158,7 +158,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
 
     def _enforce_bounds(self) -> int:
         evicted = 0
-        while (len(self._nodes) > self.max_entries or self._total_bytes() > self.max_bytes) and self._lru:
+        while (len(self._nodes) > self.max_entries or self._bytes > self.max_bytes) and self._lru:
             chain = next(iter(self._lru.values()))
             if isinstance(chain, HoldRecord) and chain.used:  # offered lately: a second chance, O(1) per lookup
                 chain.used = False
@@ -172,14 +172,11 @@ class KVDirectory(HoldIndex, ResidentIndex):
         self._chains_evicted += evicted
         return evicted
 
-    def _total_bytes(self) -> int:
-        return self._bytes + self._nodes.overhead_bytes
-
     def stats(self) -> DirectoryStats:
         self._purge_expired()
         return DirectoryStats(
             entries=len(self._nodes),
-            bytes=self._total_bytes(),
+            bytes=self._bytes,
             holds=len(self._holds),
             resident_blocks=self._resident_blocks,
             replicas=len(self._replicas),
@@ -275,9 +272,8 @@ class KVDirectory(HoldIndex, ResidentIndex):
             for chain_id in rep.segments:
                 seg = self._lru[chain_id]
                 assert isinstance(seg, Segment) and seg.replica == rep.index
-                assert type(seg.hashes) is bytes and len(seg.refs) == seg.blocks
-                here = sum(1 for p in range(seg.blocks) if resident_on.get((seg.hash_at(p), rep.index)) is seg)
-                assert seg.live == here > 0
+                assert len(seg.refs) == len(seg.hashes)
+                assert seg.live == sum(1 for k in seg.hashes if resident_on.get((k, rep.index)) is seg) > 0
                 live_segments += 1
             assert rep.resident_count == sum(1 for _, index in resident_on if index == rep.index)
         assert len(self._lru) == len(self._holds) + live_segments, "LRU out of step"
@@ -286,9 +282,9 @@ class KVDirectory(HoldIndex, ResidentIndex):
             + full_nodes * FULL_NODE_BYTES
             + sum(len(rep.resident) for rep in self._replicas.values()) * RESIDENT_NODE_BYTES
             + sum(h.nbytes for h in self._holds.values())
-            + sum(SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * s.blocks for s in self._lru.values() if type(s) is Segment)
+            + sum(SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * len(s.hashes) for s in self._lru.values() if type(s) is Segment)
         )
         assert self._bytes == expected_bytes, f"bytes {self._bytes} != {expected_bytes}"
         assert self._resident_blocks == len(resident_on)
         assert len(nodes) <= self.max_entries or not self._lru
-        assert self._total_bytes() <= self.max_bytes or not self._lru
+        assert self._bytes <= self.max_bytes or not self._lru

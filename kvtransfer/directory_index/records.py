@@ -11,7 +11,6 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
-from kvtransfer.directory_index.block_map import BYTES_PER_BLOCK as BLOCK_MAP_BYTES
 from kvtransfer.prefix_key import HASH_BYTES, BlockHash
 from kvtransfer.types import Hold, HoldId
 
@@ -131,9 +130,8 @@ class Segment:
 
     It is also the directory's record of each of its blocks that is only this replica's cache entry (no other
     replica, no hold, not a hole): the directory maps such a block's hash to its segment, and the block's parent is
-    the previous hash here (`parent`, the op's, for the first). `hashes` packs the blocks' hashes, `HASH_BYTES` each
-    (`hash_at`), as a `PrefixKey` does. `refs[i]`: the replica's reference count on block i (its resident flag + its
-    children the replica holds) while that block is recorded here.
+    the previous hash here (`parent`, the op's, for the first). `refs[i]`: the replica's reference count on
+    `hashes[i]` (its resident flag + its children the replica holds) while that block is recorded here.
     """
 
     __slots__ = ("chain_id", "replica", "mask", "parent", "hashes", "refs", "live", "parent_seg")
@@ -147,32 +145,20 @@ class Segment:
         self.replica = replica
         self.mask = replica_bit(replica)
         self.parent = parent
-        self.hashes: bytes | bytearray = bytearray()  # bytes once its store op is applied
+        self.hashes: list[BlockHash] = []
         self.refs = array("I")
         self.live = 0
         self.parent_seg = parent_seg
 
-    @property
-    def blocks(self) -> int:
-        return len(self.hashes) // HASH_BYTES
-
-    def hash_at(self, position: int) -> BlockHash:
-        return bytes(self.hashes[position * HASH_BYTES : (position + 1) * HASH_BYTES])
-
     def position(self, key: BlockHash, hint: int = -1) -> int:
-        """Where `key` is in `hashes` (`hint`: where it is likely to be); ValueError if it is not there."""
+        """Where `key` is in `hashes` (`hint`: where it is likely to be)."""
         hashes = self.hashes
-        if hint >= 0 and hashes[hint * HASH_BYTES : (hint + 1) * HASH_BYTES] == key:
+        if 0 <= hint < len(hashes) and hashes[hint] == key:
             return hint
-        at = hashes.find(key)
-        while at % HASH_BYTES and at >= 0:  # a match across two hashes
-            at = hashes.find(key, at + 1)
-        if at < 0:
-            raise ValueError(f"{key.hex()} is not in segment {self.chain_id}")
-        return at // HASH_BYTES
+        return hashes.index(key)
 
     def parent_of(self, position: int) -> BlockHash | None:
-        return self.hash_at(position - 1) if position else self.parent
+        return self.hashes[position - 1] if position else self.parent
 
 
 class ReplicaRecord:
@@ -224,13 +210,13 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
 # Accounting estimates, checked against tracemalloc by the benchmark. A dict slot costs three pointers
 # in the entries table plus index space, at the table's load between one third and two thirds.
 _DICT_SLOT_BYTES = 56
-NODE_BYTES = BLOCK_MAP_BYTES  # every block: its entry in the directory's `BlockMap`
-FULL_NODE_BYTES = alloc(Node(None)) + alloc(b"\0" * HASH_BYTES)  # a block with a full Node: the Node, its parent hash
+NODE_BYTES = alloc(b"\0" * HASH_BYTES) + _DICT_SLOT_BYTES  # every block: its hash and its slot in the directory
+FULL_NODE_BYTES = alloc(Node(None))  # a block with a full Node: the Node
 RESIDENT_NODE_BYTES = _DICT_SLOT_BYTES  # a full Node's entry in the `resident` of a replica that caches it
 HOLD_BYTES = alloc(HoldRecord(HoldId("", 0), 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
 PROMPT_END_BYTES = _DICT_SLOT_BYTES  # a hold's entry in the directory's prompt ends
-SEGMENT_BYTES = alloc(Segment(0, 0, None, None)) + alloc(b"") + alloc(array("I")) + 2 * _DICT_SLOT_BYTES
-SEGMENT_BLOCK_BYTES = HASH_BYTES + 5  # a block's hash and reference count in its segment (and the count array's growth)
+SEGMENT_BYTES = alloc(Segment(0, 0, None, None)) + alloc([]) + alloc(array("I")) + 2 * _DICT_SLOT_BYTES
+SEGMENT_BLOCK_BYTES = 8 + 4  # a block's hash pointer and reference count in its segment
 
 
 def bits(mask: int) -> Iterable[int]:

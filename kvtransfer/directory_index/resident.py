@@ -9,7 +9,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
-from kvtransfer.directory_index.chains import ChainIndex, H
+from kvtransfer.directory_index.chains import ChainIndex
 from kvtransfer.directory_index.records import (
     FULL_NODE_BYTES,
     NODE_BYTES,
@@ -62,25 +62,20 @@ class ResidentIndex(ChainIndex):
             if pnode is None or not (pnode.mask if type(pnode) is Segment else pnode.rmask) & bit:
                 return 0  # the parent is unknown here (missed event, restart, eviction): cannot chain
         seg = Segment(self._next_chain_id, index, parent, self._segment_of(rep, parent))
-        seg_hashes, seg_refs = seg.hashes, seg.refs  # the segment is filled in place, then its hashes are frozen
+        seg_hashes, seg_refs = seg.hashes, seg.refs
         stored, prev = 0, parent
         near: tuple[Segment | None, int] = (None, -1)  # where the previous block was found: this one is likely next
-        prev_plain = False  # whether the previous block is a new plain entry of this segment
         for key in hashes:
-            node = nodes.add(key, seg)
-            if node is None:  # the common case: a new block, now recorded in its segment alone
-                seg_hashes += key
+            node = nodes.get(key)
+            if node is None:  # the common case: a new block, recorded in its segment alone
+                nodes[key] = seg
+                seg_hashes.append(key)
                 seg_refs.append(1)
                 self._bytes += NODE_BYTES
-                if prev_plain:
-                    seg_refs[-2] += 1  # its parent's count, without looking the parent up
-                else:
-                    self._add_child_ref(rep, prev, seg, len(seg_refs) - 2)
-                prev_plain = True
+                self._add_child_ref(rep, prev, seg, len(seg_hashes) - 2)
                 self._resident_blocks += 1
                 rep.resident_count += 1
             else:
-                prev_plain = False
                 if type(node) is Segment:
                     position = node.position(key, near[1] + 1 if node is near[0] else -1)
                     near = (node, position)
@@ -99,7 +94,7 @@ class ResidentIndex(ChainIndex):
                     else:
                         seg_refs.append(0)
                         rep.resident[key] = seg
-                    seg_hashes += key
+                    seg_hashes.append(key)
                     self._unlink_segment_block(rep, old)
                 else:
                     if type(node) is Segment:
@@ -111,23 +106,22 @@ class ResidentIndex(ChainIndex):
                     else:
                         node.rmask = union(node.rmask, bit)
                         node.mask = union(node.mask, bit)
-                        self._add_child_ref(rep, prev, seg, len(seg_refs) - 1)
+                        self._add_child_ref(rep, prev, seg, len(seg_hashes) - 1)
                     rep.resident[key] = seg
                     self._bytes += RESIDENT_NODE_BYTES
-                    seg_hashes += key
+                    seg_hashes.append(key)
                     seg_refs.append(0)
-                    self._settle(key, node, (seg, len(seg_refs) - 1))
+                    self._settle(key, node, (seg, len(seg_hashes) - 1))
                     self._resident_blocks += 1
                     rep.resident_count += 1
             seg.live += 1
             stored += 1
             prev = key
-        seg.hashes = bytes(seg_hashes)
         if seg.live:
             self._next_chain_id += 1
             self._lru[seg.chain_id] = seg
             rep.segments.add(seg.chain_id)
-            self._bytes += SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * seg.blocks
+            self._bytes += SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * len(seg_hashes)
             self._touch_segment(seg)
         return stored
 
@@ -155,8 +149,8 @@ class ResidentIndex(ChainIndex):
         if seg.live == 0:
             del self._lru[seg.chain_id]
             rep.segments.discard(seg.chain_id)
-            self._bytes -= SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * seg.blocks
-            seg.hashes = b""  # children may still point at this segment; keep it small
+            self._bytes -= SEGMENT_BYTES + SEGMENT_BLOCK_BYTES * len(seg.hashes)
+            seg.hashes = []  # children may still point at this segment; keep it small
             seg.refs = array("I")
 
     def _remove_resident(self, rep: ReplicaRecord, key: BlockHash, hint: int = -1) -> None:
@@ -187,9 +181,9 @@ class ResidentIndex(ChainIndex):
 
     def _evict_segment(self, seg: Segment) -> None:
         rep = self._by_index[seg.replica]
-        hashes = seg.hashes  # removing its last live block empties the segment's own
-        for position in range(seg.blocks - 1, -1, -1):
-            key = hashes[position * H : (position + 1) * H]
+        hashes = seg.hashes
+        for position in range(len(hashes) - 1, -1, -1):
+            key = hashes[position]
             if self._segment_of(rep, key) is seg:
                 self._remove_resident(rep, key, position)
         self._forget_if_empty(rep)
