@@ -23,6 +23,11 @@ Two bounds, each where it measures what the planner claims:
   busy engine's streams; so those cases are judged by the estimates alone.
 The 5 ms is the planner's own tie (`STAY_MARGIN_MS`): on tiny-llama a short turn's first token comes in 20-30 ms,
 where 15% is less than the spread between repetitions of the same forced turn on this 2-core machine.
+
+The module runs first in the suite (`tests/conftest.py`), on the session's app, so that its cost model has learned
+from its start-up calibration and these turns alone. Run after the rest of the suite's turns (replicas killed and
+restarted, forced turns on loaded engines), the estimate errors that app had learned put a local turn beside a busy
+engine at 15 ms, where it measured 62.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from kvtransfer.load import ReplicaView, with_busy_peers
 from kvtransfer.options import STAY_MARGIN_MS
 from kvtransfer.planner import plan_turn
 from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
-from tests.conftest import TINY_ENGINE, ServedApp, delete_app, make_hold, run_app
+from tests.conftest import TINY_ENGINE, ServedApp, make_hold
 
 TOLERANCE = 0.15
 TOLERANCE_MS = STAY_MARGIN_MS
@@ -261,37 +266,23 @@ def measure(app: ServedApp, case: Case, holder: str, other: str, rng: random.Ran
     return out
 
 
-@pytest.fixture(scope="module")
-def planner_app(serve_port) -> Iterator[ServedApp]:
-    """tiny-llama on two replicas, as the session's app but fresh: its cost model has learned from its start-up
-    calibration and this module's turns alone. On the session's app, after the rest of the suite's turns (replicas
-    killed and restarted, forced turns on loaded engines), the estimate errors it had learned put a local turn
-    beside a busy engine at 15 ms, where it measured 62."""
-    app = run_app("planner", "/planner", serve_port,
-                  pool={"num_replicas": 2, "engine": dict(TINY_ENGINE, model="tiny-llama")})
-    app.replica_ids(2)
-    app.ingress.calibrated.remote().result(timeout_s=300)
-    yield app
-    delete_app("planner")
-
-
-def test_the_start_up_calibration_leaves_no_kv_cache_pinned(planner_app):
+def test_the_start_up_calibration_leaves_no_kv_cache_pinned(tiny_app):
     """The calibration's turns leave a hold only where a later calibration turn pulls it, which ends it: once the app
     is calibrated, its engines' caches are free for the first conversations (heartbeats are half a second apart).
     Before, its other turns' holds pinned half of one tiny-llama replica's cache, its whole hold budget, for their
     30 s lease: a first conversation's turn there left no hold to read or pull."""
-    wait_for_unpinned_caches(planner_app, 5.0)
+    wait_for_unpinned_caches(tiny_app, 5.0)
 
 
 @pytest.fixture(scope="module")
-def measured(planner_app: ServedApp) -> list[Measured]:
-    replicas = planner_app.replica_ids(2)
-    wait_for_unpinned_caches(planner_app, 2 * TINY_ENGINE["nixl"]["hold_ttl_s"])
+def measured(tiny_app: ServedApp) -> list[Measured]:
+    replicas = tiny_app.replica_ids(2)
+    wait_for_unpinned_caches(tiny_app, 2 * TINY_ENGINE["nixl"]["hold_ttl_s"])
     rng = random.Random("planner vs measured")
     results = []
     for i, case in enumerate(CASES):
         holder, other = replicas[i % 2], replicas[(i + 1) % 2]  # neither replica's core lands on one role
-        results.append(measure(planner_app, case, holder, other, rng))
+        results.append(measure(tiny_app, case, holder, other, rng))
         fit = results[-1].cost_model
         print(results[-1].row(), "\n  cost model:",
               {k: fit[k] for k in ("contention", "replica_speed", "estimate_error")})

@@ -1,7 +1,8 @@
 """`serve run serve_config.yaml` as `make serve` runs it: the real default model on two replicas, answering on
 the ingress replica's own port (Ray Serve's throughput-optimized mode; 8001 for `make serve`) and through Serve's
 proxy (8000). The test runs the committed config and the Makefile's environment with only those ports moved to
-free ones, so it needs no fixed port."""
+free ones, so it needs no fixed port. Beside it, `serve run` in Serve's default mode, as `serve run serve_config.yaml`
+runs without the Makefile's environment, to be stopped with SIGKILL."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -19,8 +21,10 @@ import httpx
 import psutil
 import pytest
 
+from benchmarks.common import free_port
 from benchmarks.served import healthy, ready, start_served, stop_served, wait_for
 from configs.engine import NixlSettings
+from tests.conftest import REPO_ROOT
 
 
 def wait_until_healthy(proc: subprocess.Popen, log: Path, base_url: str, replicas: int, timeout_s: float) -> None:
@@ -176,6 +180,7 @@ def wait_until_quiet(served, quiet_s: float, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.usefixtures("default_mode")  # starts the SIGKILL test's app while this test mostly waits
 def test_the_console_prints_a_line_per_client_request_and_nothing_while_idle(served):
     """Heartbeats and the directory's feed run all the time; they used to print ~2.4 access-log lines a second,
     and every turn's hold expiring unread printed a warning of vLLM's."""
@@ -223,11 +228,67 @@ def assert_ended(reported: list[psutil.Process], sid: int, timeout_s: float) -> 
     assert not (left := session_processes(sid)), left
 
 
+DEFAULT_MODE_CONFIG = """\
+http_options: {{host: 127.0.0.1, port: {port}}}
+applications:
+  - name: sigkill
+    route_prefix: /
+    import_path: app.builder:build_app
+    args:
+      log_level: WARNING
+      calibrate: false
+      pool:
+        num_replicas: 1
+        engine: {{model: tiny-llama, dtype: float32, max_model_len: 1024, kv_cache_memory_bytes: 67108864}}
+"""
+
+
+class DefaultModeRun(NamedTuple):
+    proc: subprocess.Popen
+    log: Path
+    url: str
+
+
+@pytest.fixture(scope="module")
+def default_mode(tmp_path_factory):
+    """`serve run` of a tiny-llama app in Serve's default mode (none of the Makefile's environment), in a session of
+    its own; returns at once."""
+    folder = tmp_path_factory.mktemp("serve_run_default_mode")
+    port = free_port()
+    config = folder / "serve_config.yaml"
+    config.write_text(DEFAULT_MODE_CONFIG.format(port=port))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    log = folder / "serve_run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", "--address", "local", str(config)],
+                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield DefaultModeRun(proc, log, f"http://127.0.0.1:{port}")
+    finally:
+        if proc.poll() is None or session_processes(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def test_nothing_survives_a_sigkill_of_serve_runs_process_group(default_mode):
+    """`serve run` stopped as a harness, `timeout` or a supervisor stops it: SIGKILL to its whole process group, so
+    nobody shuts the engines down. Every process it started (Ray, Serve's replicas, vLLM's engines: those the
+    replicas reported by pid, and anything left in its session) is gone 15 s later."""
+    proc = default_mode.proc
+    wait_until_healthy(proc, default_mode.log, default_mode.url, replicas=1, timeout_s=600)
+    reported = running(replica_processes(default_mode.url, replicas=1))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert_ended(reported, proc.pid, timeout_s=15)
+
+
 def test_sigterm_to_make_serve_leaves_no_process_behind(served):
     """What a supervisor or `kill PID` sends to `make serve`'s console: it passes the signal on to serve run, which
     shuts the app down. The replica and engine processes the replicas reported by pid, and every process of the
-    session, are gone 10 s after the console exits (SIGKILL of serve run's whole group, in Serve's default mode:
-    `test_serve_run_sigkill.py`). Runs last in this module: it ends the app the other tests used."""
+    session, are gone 10 s after the console exits (SIGKILL of serve run's whole group, in Serve's default mode: the
+    test before). Runs last in this module: it ends the app the other tests used."""
     proc = served.proc
     reported = running(replica_processes(served.base, replicas=2))
     proc.send_signal(signal.SIGTERM)  # to the console alone, not its process group
