@@ -62,10 +62,13 @@ def tail(log: Path, lines: int = 30) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def ray_session_logs() -> Path:
-    """The log folder of the Ray session started last on this machine (Ray's default temp folder)."""
-    root = Path(os.environ.get("RAY_TMPDIR") or Path(tempfile.gettempdir()) / "ray")
-    return (root / "session_latest").resolve() / "logs"
+def ray_session_logs(pid: int, root: Path | None = None) -> Path:
+    """The log folder of the Ray session that process `pid` (serve run) started, in Ray's temp folder `root` (its
+    default): Ray names a new cluster's session after its date and its starting process's pid. Where `pid` started
+    none (it joined a running cluster), the session started last on this machine."""
+    root = root or Path(os.environ.get("RAY_TMPDIR") or Path(tempfile.gettempdir()) / "ray")
+    own = sorted(root.glob(f"session_*_{pid}"))
+    return (own[-1] if own else (root / "session_latest").resolve()) / "logs"
 
 
 def direct_ingress(url: str) -> str:
@@ -111,7 +114,7 @@ def watch(console: Console, proc: subprocess.Popen, log: Path, url: str) -> int:
             carry = text[-64:]
             ray_up = any(marker in text for marker in RAY_UP)
             if ray_up:
-                console.line(f"Ray: started (every process's log, vLLM's included: {ray_session_logs()})")
+                console.line(f"Ray: started (every process's log, vLLM's included: {ray_session_logs(proc.pid)})")
         state = health(url) if ray_up else None
         if state is not None:
             while engines < state.get("replicas", 0):

@@ -21,6 +21,7 @@ import httpx
 import psutil
 import pytest
 
+from app.serve_progress import ray_session_logs
 from benchmarks.common import free_port
 from benchmarks.served import healthy, ready, start_served, stop_served, wait_for
 from configs.engine import NixlSettings
@@ -55,6 +56,16 @@ def served(tmp_path_factory):
 # What `make serve` prints, in order, one line each.
 STAGES = ["install", "model preparation", "Ray", "engine 1", "engine 2", "calibration", "ready"]
 STAGE_LINE = re.compile(r"\[\s*(\d+\.\d) s\] ([^:]+): (.*)")
+
+
+def test_the_ray_line_names_the_session_serve_run_started_not_the_last_one(tmp_path):
+    """Another Ray cluster started on the machine meanwhile moves `session_latest`; Ray names a session after the pid
+    of the process that started it."""
+    mine, other = tmp_path / "session_2026-12-07_10-00-00_000001_123", tmp_path / "session_2026-12-07_10-00-01_000002_9"
+    mine.mkdir(), other.mkdir()
+    (tmp_path / "session_latest").symlink_to(other)
+    assert ray_session_logs(123, tmp_path) == mine / "logs"
+    assert ray_session_logs(23, tmp_path) == other / "logs"  # serve run joined a running cluster: the latest
 
 
 def test_make_serve_prints_one_line_per_stage_with_its_elapsed_seconds(served):
