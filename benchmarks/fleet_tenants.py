@@ -1,6 +1,5 @@
 """Where a policy's turns land by tenant, in the fleet study (modelled, not measured): TTFT of the hot tenant's and
-the other tenants' first and later turns, each replica's share of the hot tenant's turns, and the typical wait the
-planner prices a conversation's later turns at there.
+the other tenants' first and later turns, and each replica's share of the hot tenant's turns.
 
     python -m benchmarks.fleet_tenants --out benchmarks/results/fleet_tenants.json
 
@@ -27,7 +26,6 @@ HOT_TENANT = "tenant-0"  # `fleet_workloads.conversations` gives the hot share t
 def split(result: FleetResult, tenant_of: dict[str, str]) -> dict[str, Any]:
     groups: dict[str, list[float]] = {}
     hot_turns: Counter = Counter()
-    waits = result.cost_model.get("typical_wait_ms", {})
     for r in result.records:
         hot = tenant_of[r.conv_id] == HOT_TENANT
         hot_turns[r.replica] += hot
@@ -37,9 +35,6 @@ def split(result: FleetResult, tenant_of: dict[str, str]) -> dict[str, Any]:
                     for name, v in sorted(groups.items())},
         "hot_share_by_replica": sorted(round(hot_turns[rep] / n, 3)
                                        for rep, n in result.requests_per_replica.items() if n),
-        # What the planner's later-turn price (`TypicalWait`) reads on each replica at the end, by its hot share.
-        "typical_wait_ms_by_hot_share": sorted(
-            [round(hot_turns[rep] / n, 3), waits.get(rep)] for rep, n in result.requests_per_replica.items() if n),
     }
 
 
