@@ -137,6 +137,10 @@ class DirectoryMirror:
         """Whether `key` starts with the whole prompt of a turn whose hold is pending (`KVDirectory.continues`)."""
         return self._copy.continues(key)
 
+    def cache_turnover(self) -> dict[str, tuple[int, int]]:
+        """Per replica, its resident blocks and the blocks its engine evicted so far (`KVDirectory.cache_turnover`)."""
+        return self._copy.cache_turnover()
+
     def live(self) -> list[ReplicaStats]:
         """Replicas whose heartbeats reached this mirror lately (a silent one is dropped with all it holds)."""
         for replica_id in self._replicas.sweep():

@@ -36,6 +36,7 @@ from kvtransfer.load import preferred_replica, with_busy_peers
 from kvtransfer.options import Mode
 from kvtransfer.planner import Plan, observe_queues, plan_turn, reads_hold
 from kvtransfer.prefix_key import PrefixKey, Scope
+from kvtransfer.shared_prefix import shared_prefix
 from kvtransfer.types import Hold, LookupResult
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class TurnRunner:
         return plan_turn(
             len(turn.token_ids), lookup, views, self.cost, preferred, force, targets, turn.policy,
             self._rotation + 1, self._output_tokens(turn), self.met, turn_index, self._founds_home(),
+            shared_prefix(key, lookup) if turn_index == 0 else None,
         )
 
     def record_planned(
@@ -148,7 +150,9 @@ class TurnRunner:
         conversation (the forecast of turns to come) and its prompt (the next turn's place), and how long planning it
         took."""
         self._rotation += 1
-        observe_queues(self.cost, plan, time.monotonic())
+        now = time.monotonic()
+        observe_queues(self.cost, plan, now)
+        self.cost.shared_prefixes.observe_caches(self.directory.cache_turnover, now)
         self.plan_ms.append(plan_ms)
         self.plan_cpu_ms.append(plan_cpu_ms)
         self.plan_switches.append(switches)

@@ -33,6 +33,7 @@ from kvtransfer.options import Mode
 from kvtransfer.planner import observe_queues, plan_turn, reads_hold
 from kvtransfer.policies import get_policy
 from kvtransfer.prefix_key import PrefixKey, Scope
+from kvtransfer.shared_prefix import shared_prefix
 from kvtransfer.sim.block_cache import vllm_block_hashes
 from kvtransfer.sim.engine import Hold as EngineHold
 from kvtransfer.sim.engine import SimEngine, SimRequest
@@ -181,9 +182,11 @@ class Fleet:
                                                      if targets is None or v.replica_id in targets])
         self._rotation += 1
         lookup = self.directory.lookup(key)
+        self.cost.shared_prefixes.observe_caches(self.directory.cache_turnover, self.now)
         plan = plan_turn(len(prompt), lookup, views, self.cost, preferred, force, targets, policy, self._rotation,
                          self.cost.workload.expected_output_tokens(len(output)), self.met, turn_index,
-                         founds_home=self.topology != "disaggregated")
+                         founds_home=self.topology != "disaggregated",
+                         shared_prefix=shared_prefix(key, lookup) if turn_index == 0 else None)
         self.result.counters[f"plans_{plan.mode.value}"] += 1
         observe_queues(self.cost, plan, self.now)
         full = prompt + output

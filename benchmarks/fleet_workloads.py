@@ -124,6 +124,9 @@ class Conversation(BaseModel):
     start_s: float | None  # poisson arrivals; None: when a client is free
     prefix_tokens: list[int]  # system prompt and the conversation's own prefix
     turns: list[Turn]
+    # Whether it starts with the hot tenant's long system prompt (`hot_tenant_system_tokens`); the hot tenant's other
+    # conversations, drawn among all tenants', start with its short one.
+    hot: bool = False
 
 
 def conversations(workload: Workload, seed: int, vocab: int = 32000) -> list[Conversation]:
@@ -152,5 +155,5 @@ def conversations(workload: Workload, seed: int, vocab: int = 32000) -> list[Con
                  for k in range(workload.turns.count(rng))]
         out.append(Conversation(conv_id=f"c{i}", tenant=f"tenant-{tenant}", start_s=start,
                                 prefix_tokens=system + tokens(workload.conversation_prefix_tokens.count(rng)),
-                                turns=turns))
+                                turns=turns, hot=hot and workload.hot_tenant_system_tokens > 0))
     return out

@@ -52,6 +52,7 @@ import numpy as np
 
 from kvtransfer.estimate_error import EstimateError
 from kvtransfer.fits import OnlineLinearFit
+from kvtransfer.shared_prefix import SharedPrefixes
 from kvtransfer.typical_wait import TypicalWait
 from kvtransfer.workload import WorkloadForecast
 
@@ -97,6 +98,8 @@ class CostModel:
         self.workload = WorkloadForecast()
         # How long turns typically wait on each replica (what a conversation's later turns will find there).
         self.typical_wait = TypicalWait()
+        # How often first turns start with each shared prefix, and how long each replica's cache keeps a block.
+        self.shared_prefixes = SharedPrefixes()
         # Extra time of the first pull between two engines (NIXL's handshake), measured at start-up.
         self.handshake_ms = 0.0
         # Taking a hold from the KV directory before the turn that reads it is sent (a call to the directory's actor,
@@ -330,4 +333,5 @@ class CostModel:
             "replica_speed": {r: round(f, 3) for r, f in sorted(self._speed.items())},
             "estimate_error": self.error.as_dict(),
             "typical_wait_ms": self.typical_wait.as_dict(),
+            "shared_prefixes": self.shared_prefixes.as_dict(),
         }

@@ -43,12 +43,15 @@ class Option(NamedTuple):
     impact_ms: float = 0.0
     # What the conversation's later turns, which find their history on the target, will typically wait there.
     later_wait_ms: float = 0.0
+    # What computing a shared prefix here (a first turn's, cached elsewhere) spares the first turns sharing it next.
+    seeds_ms: float = 0.0
 
     @property
     def cost_ms(self) -> float:
         """What the kvrelay policy minimizes: this turn's time to first token, the delay it causes others, and the
-        waits its conversation's later turns will find where it leaves the history."""
-        return self.estimate_ms + self.impact_ms + self.later_wait_ms
+        waits its conversation's later turns will find where it leaves the history, less the recompute it spares
+        other conversations' first turns by caching a prefix they share."""
+        return self.estimate_ms + self.impact_ms + self.later_wait_ms - self.seeds_ms
 
 
 def contending_peers(replica: ReplicaView, cost: CostModel) -> int:

@@ -9,7 +9,9 @@ and on any target, the later turns the conversation will bring there keep it dec
 its node, slowing the first tokens arriving at them). Slower decoding is priced only through those first tokens:
 it lengthens replies already started, not their wait. A conversation's first turn also founds its home: its later
 turns will find their history on the target and wait there what turns typically wait there (`CostModel.typical_wait`),
-so each of its options is priced for those waits too.
+so each of its options is priced for those waits too; and one that computes a prefix other replicas cache (a shared
+system prompt) leaves it cached on the target for the next first turns sharing it, whose recompute it is credited
+with, by the chance they find it still there (`CostModel.shared_prefixes`).
 So a busy holder can lose the turn to an idle replica that pulls from it, a turn joins a busy engine beside an
 idle one when that engine is busy enough that slowing it would cost others more than the turn saves, and of two
 busy engines the one with less traffic drains into the other as its conversations' next turns move. The choice
@@ -32,6 +34,7 @@ from kvtransfer.load import ReplicaView
 from kvtransfer.options import Mode, Option, busy_target, contending_peers, fastest
 from kvtransfer.plan_prices import PlanPrices
 from kvtransfer.policies import DEFAULT_POLICY, PlacementPolicy, PolicyContext, get_policy
+from kvtransfer.prefix_key import BlockHash
 from kvtransfer.types import HoldOffer, LookupResult, ReplicaMatch
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,9 @@ class Plan(NamedTuple):
     holder_busy: bool = False
     # Each weighed target's queue when planned: what `CostModel.typical_wait` averages once the turn is dispatched.
     queues_ms: dict[str, float] = {}
+    # A first turn's prompt prefix cached on some replica, by its last block (`shared_prefix`), as planned: what
+    # `CostModel.shared_prefixes` counts once the turn is dispatched.
+    shared_prefix: BlockHash | None = None
 
 
 def _options(
@@ -85,6 +91,7 @@ def _options(
     turn_index: int | None = None,
     queues: dict[str, float] | None = None,
     founds_home: bool = True,
+    shared_prefix: BlockHash | None = None,
 ) -> list[Option]:
     """Every (target, mode) option for the turn, priced; `queues` (if given) receives each target's queue estimate."""
     live = {r.replica_id: r for r in replicas}
@@ -95,6 +102,11 @@ def _options(
         matches.setdefault(m.replica_id, m)
     # A hold on a replica that is not live cannot be pulled (the holder died or is leaving).
     holds = [m.hold for m in lookup.matches if m.hold is not None and m.replica_id in live]
+    # A first turn computing its prompt's prefix that other replicas cache, where it founds its home, leaves it
+    # cached there for the first turns sharing it next (`kvtransfer/shared_prefix.py`).
+    shared = 0
+    if turn_index == 0 and founds_home and shared_prefix is not None:
+        shared = min(max((m.cached_tokens for m in lookup.matches), default=0), num_tokens - 1)
     options: list[Option] = []
     for replica in replicas:
         if targets is not None and replica.replica_id not in targets:
@@ -121,9 +133,13 @@ def _options(
             compute = prices.recompute_ms(num_tokens - reused, reused, replica)
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (cost.take_hold_ms + _read_wait_ms(replica, cost) if reused > cached else 0.0)
+            seeds = 0.0
+            if shared > reused:
+                spared = compute - prices.recompute_ms(num_tokens - shared, shared, replica)
+                seeds = spared * cost.shared_prefixes.reuse_probability(shared_prefix, replica.replica_id, len(live))
             options.append(Option(mode, replica.replica_id, None, reused, cached,
                                   prices.corrected(mode, contending, ms, on_busy), own_hold, ms, impact_ms(compute),
-                                  later))
+                                  later, seeds))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
@@ -256,6 +272,7 @@ def plan_turn(
     met: Collection[tuple[str, str]] | None = None,
     turn_index: int | None = None,
     founds_home: bool = True,
+    shared_prefix: BlockHash | None = None,
 ) -> Plan:
     """Choose target replica and mode together: price every option, then let `policy` (a policy or its registered
     name, `kvtransfer/policies/`) choose one. An option's cost is its estimated time to first token plus the delay
@@ -286,7 +303,7 @@ def plan_turn(
         raise ValueError("a turn needs at least one prompt token")
     queues: dict[str, float] = {}
     options = _options(num_tokens, lookup, replicas, cost, targets, output_tokens, met, turn_index, queues,
-                       founds_home)
+                       founds_home, shared_prefix)
     if not options:
         raise ValueError(f"none of the target replicas {sorted(targets or [])} is live")
     if force is not None:
@@ -334,13 +351,17 @@ def plan_turn(
         turn_index=turn_index,
         holder_busy=any(r.replica_id == chosen.holder and not r.idle for r in replicas),
         queues_ms=queues,
+        shared_prefix=shared_prefix if turn_index == 0 and founds_home else None,
     )
 
 
 def observe_queues(cost: CostModel, plan: Plan, now_s: float) -> None:
-    """What a dispatched turn's plan teaches the cost model's typical waits (mutates `cost`): the queue it found on
-    every replica it weighed, and its own compute (its estimate less the queue on its target)."""
+    """What a dispatched turn's plan teaches the cost model (mutates `cost`): the queue it found on every replica it
+    weighed and its own compute (its estimate less the queue on its target), for the typical waits; and, for a first
+    turn, the shared prefix its prompt starts with."""
     cost.typical_wait.observe(now_s, plan.queues_ms, plan.model_ms - plan.queues_ms.get(plan.replica_id, 0.0))
+    if plan.shared_prefix is not None:
+        cost.shared_prefixes.observe_first_turn(plan.shared_prefix, now_s)
 
 
 def reads_hold(plan: Plan | Option) -> bool:

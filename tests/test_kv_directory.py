@@ -249,6 +249,15 @@ def test_resident_chain_and_holes(directory: KVDirectory) -> None:
     directory.check_integrity()
 
 
+def test_each_replicas_cache_turnover_counts_what_its_engine_evicted(directory: KVDirectory) -> None:
+    h = directory.key(range(20), A).block_hashes
+    directory.apply_resident("r1", [StoreResident(None, h)])
+    directory.apply_resident("r2", [StoreResident(None, h[:2])])
+    directory.apply_resident("r1", [RemoveResident((h[4], h[3]))])
+    directory.apply_resident("r1", [RemoveResident((h[3],))])  # already gone: not evicted twice
+    assert directory.cache_turnover() == {"r1": (3, 2), "r2": (2, 0)}
+
+
 def test_bounded_by_entries_with_lru_eviction(clock: FakeClock) -> None:
     directory = KVDirectory(4, max_entries=10, clock=clock)
     keys = [directory.key([i] * 16, A) for i in range(5)]  # 4 blocks each

@@ -974,6 +974,40 @@ def test_a_first_turn_founds_its_conversation_where_its_later_turns_will_wait_le
     assert cost.typical_wait.ms("a") == pytest.approx(400.0 * math.exp(-1))
 
 
+def test_a_first_turn_caches_a_popular_shared_prompt_where_later_turns_wait_less_than_where_it_is_cached():
+    # "a" caches the tenant's 3,000-token system prompt, "b" does not, and turns have lately waited 60 ms on "a" and
+    # none on "b". By the later turns' waits alone, starting on "b" is not worth computing the prompt there (about
+    # 900 ms against four later turns' 4 x 60 x 2.6 ms). But the first turns sharing the prompt next would find it
+    # cached on "b" too: where it comes often and "b" keeps its blocks, that recompute is spared them.
+    cost = calibrated()
+    for _ in range(12):
+        for index in range(5):
+            cost.workload.observe_turn(index)
+    cost.typical_wait.observe(0.0, {"a": 60.0, "b": 0.0}, service_ms=100.0)
+    views = [ReplicaView("a"), ReplicaView("b")]
+    found = lookup(3200, ReplicaMatch("a", 3000, "resident", 3000, None))
+    prompt = b"system-prompt-01"
+    assert plan_turn(3200, found, views, cost, turn_index=0, shared_prefix=prompt).replica_id == "a"  # never seen
+    caches = {"a": (10_000, 0), "b": (10_000, 0)}  # neither cache has evicted a block in the ten minutes watched
+    cost.shared_prefixes.observe_caches(lambda: caches, 0.0)
+    for i in range(120):  # two first turns a second start with the prompt
+        cost.shared_prefixes.observe_first_turn(prompt, 540.0 + i / 2)
+    cost.shared_prefixes.observe_caches(lambda: caches, 600.0)
+    assert cost.shared_prefixes.reuse_probability(prompt, "b", 2) > 0.99
+    plan = plan_turn(3200, found, views, cost, turn_index=0, shared_prefix=prompt)
+    assert (plan.replica_id, plan.mode, plan.shared_prefix) == ("b", Mode.RECOMPUTE, prompt)
+    on_b = next(o for o in _options(3200, found, views, cost, turn_index=0, shared_prefix=prompt)
+                if o.replica_id == "b")
+    spared = cost.recompute_ms(3200) - cost.recompute_ms(200, 3000)
+    assert on_b.seeds_ms == pytest.approx(spared, rel=0.01)
+    # Seeding alone moves nothing: with the waits alike, the turn starts where the prompt is cached.
+    cost.typical_wait.observe(600.0, {"a": 0.0, "b": 0.0})
+    cost.typical_wait.observe(1200.0, {"a": 0.0, "b": 0.0})
+    assert plan_turn(3200, found, views, cost, turn_index=0, shared_prefix=prompt).replica_id == "a"
+    # A later turn's history is its own, not a shared prefix: it has nothing to seed.
+    assert plan_turn(3200, found, views, cost, turn_index=2, shared_prefix=prompt).shared_prefix is None
+
+
 def test_in_pd_a_first_turn_starts_on_the_prefill_replica_free_now_whatever_queues_it_had():
     # P/D: the decode pool holds each conversation's history, and each later turn starts wherever the prefill pool
     # has room; the first turn's prefill replica is no home for them, and its usual queue is no wait of theirs.

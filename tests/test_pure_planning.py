@@ -44,6 +44,9 @@ class Directory:
     def continues(self, key: Any) -> bool:
         return False
 
+    def cache_turnover(self) -> dict[str, tuple[int, int]]:
+        return {}
+
     async def deregister(self, replica_id: str) -> None:
         self.deregistered.append(replica_id)
 

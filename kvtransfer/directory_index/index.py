@@ -156,6 +156,10 @@ class KVDirectory(HoldIndex, ResidentIndex):
         self._by_index.pop(rep.index, None)
         return chains
 
+    def cache_turnover(self) -> dict[str, tuple[int, int]]:
+        """Per replica, its resident blocks and the blocks its engine has evicted so far (`SharedPrefixes`)."""
+        return {rid: (rep.resident_count, rep.evicted) for rid, rep in self._replicas.items()}
+
     def _enforce_bounds(self) -> int:
         evicted = 0
         while (len(self._nodes) > self.max_entries or self._bytes > self.max_bytes) and self._lru:

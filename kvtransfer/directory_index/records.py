@@ -168,7 +168,7 @@ class ReplicaRecord:
     with a full `Node`, in `resident` with their segment.
     """
 
-    __slots__ = ("replica_id", "index", "bit", "holds", "resident", "resident_count", "holes", "segments")
+    __slots__ = ("replica_id", "index", "bit", "holds", "resident", "resident_count", "holes", "segments", "evicted")
 
     def __init__(self, replica_id: str, index: int) -> None:
         self.replica_id = replica_id
@@ -177,6 +177,7 @@ class ReplicaRecord:
         self.holds: set[HoldId] = set()
         self.resident: dict[BlockHash, Segment] = {}  # resident blocks that have a full Node
         self.resident_count = 0  # all its resident blocks
+        self.evicted = 0  # blocks its engine has evicted from its prefix cache, in all (its removal events)
         # Nodes this replica holds only because resident children do (vLLM dropped the block itself):
         # a prefix-cache match stops there. Rare: vLLM evicts a chain's tail before its head.
         self.holes: set[BlockHash] = set()

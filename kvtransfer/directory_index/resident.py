@@ -43,6 +43,7 @@ class ResidentIndex(ChainIndex):
                     if self._segment_of(rep, key) is not None:
                         self._remove_resident(rep, key)
                         removed += 1
+                        rep.evicted += 1
             elif isinstance(op, ClearResident):
                 removed += rep.resident_count
                 self._clear_resident(rep)
