@@ -37,6 +37,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def _quantiles(ttfts: list[float]) -> dict[str, float]:
+    return {"turns": len(ttfts), "p50": round(percentile(ttfts, 0.5), 1), "p90": round(percentile(ttfts, 0.9), 1),
+            "p99": round(percentile(ttfts, 0.99), 1)}
+
+
 def summarize(result: FleetResult, slo_ms: float) -> dict[str, Any]:
     ttfts = [r.ttft_ms for r in result.records]
     prompt = sum(r.prompt_tokens for r in result.records)
@@ -45,6 +50,9 @@ def summarize(result: FleetResult, slo_ms: float) -> dict[str, Any]:
         "turns": len(ttfts),
         "ttft_ms": {"p50": round(percentile(ttfts, 0.5), 1), "p90": round(percentile(ttfts, 0.9), 1),
                     "p99": round(percentile(ttfts, 0.99), 1), "mean": round(statistics.fmean(ttfts), 1)},
+        # A conversation's first turn (its prompt's shared prefix at most cached) and its later turns (its history).
+        "ttft_ms_by_turn": {"first": _quantiles([r.ttft_ms for r in result.records if r.turn == 0]),
+                            "later": _quantiles([r.ttft_ms for r in result.records if r.turn > 0])},
         "goodput_rps": round(sum(1 for t in ttfts if t <= slo_ms) / result.duration_s, 3),
         "pulls": result.counters["pulls"],
         "pulled_gb": round(result.counters["pulled_bytes"] / 1e9, 2),
