@@ -135,7 +135,10 @@ def _options(
             ms = queue + compute + (cost.take_hold_ms + _read_wait_ms(replica, cost) if reused > cached else 0.0)
             seeds = 0.0
             if shared > reused:
-                spared = compute - prices.recompute_ms(num_tokens - shared, shared, replica)
+                # The next first turn sharing the prefix here would compute only the rest: its first token sooner,
+                # and the requests beside it delayed less.
+                rest = prices.recompute_ms(num_tokens - shared, shared, replica)
+                spared = compute - rest + impact_ms(compute) - impact_ms(rest)
                 seeds = spared * cost.shared_prefixes.reuse_probability(shared_prefix, replica.replica_id, len(live))
             options.append(Option(mode, replica.replica_id, None, reused, cached,
                                   prices.corrected(mode, contending, ms, on_busy), own_hold, ms, impact_ms(compute),
