@@ -41,6 +41,14 @@ def calibrated(prefill_ms_per_token: float = 0.3, pull_fixed_ms: float = 8.0, gb
     return cost
 
 
+def with_five_turn_conversations(cost: CostModel) -> CostModel:
+    """`cost` after it has seen a dozen conversations of five turns each (what its workload forecast expects)."""
+    for _ in range(12):
+        for index in range(5):
+            cost.workload.observe_turn(index)
+    return cost
+
+
 def hold(replica: str, tokens: int) -> HoldOffer:
     return HoldOffer(replica, tokens, 1e12, make_hold(tokens, f"e-{replica}"))
 
@@ -950,10 +958,7 @@ def test_a_replicas_typical_wait_is_its_queue_averaged_over_time_and_its_margina
 
 def test_a_first_turn_founds_its_conversation_where_its_later_turns_will_wait_least():
     # Two idle replicas; "a" caches the tenant's 3,000-token system prompt, "b" nothing. Conversations run five turns.
-    cost = calibrated()
-    for _ in range(12):
-        for index in range(5):
-            cost.workload.observe_turn(index)
+    cost = with_five_turn_conversations(calibrated())
     views = [ReplicaView("a"), ReplicaView("b")]
     system_prompt = lookup(3200, ReplicaMatch("a", 3000, "resident", 3000, None))
     # By this turn's own first token, "a" (3,000 tokens cached) wins by far.
@@ -979,10 +984,7 @@ def test_a_first_turn_caches_a_popular_shared_prompt_where_later_turns_wait_less
     # none on "b". By the later turns' waits alone, starting on "b" is not worth computing the prompt there (about
     # 900 ms against four later turns' 4 x 60 x 2.6 ms). But the first turns sharing the prompt next would find it
     # cached on "b" too: where it comes often and "b" keeps its blocks, that recompute is spared them.
-    cost = calibrated()
-    for _ in range(12):
-        for index in range(5):
-            cost.workload.observe_turn(index)
+    cost = with_five_turn_conversations(calibrated())
     cost.typical_wait.observe(0.0, {"a": 60.0, "b": 0.0}, service_ms=100.0)
     views = [ReplicaView("a"), ReplicaView("b")]
     found = lookup(3200, ReplicaMatch("a", 3000, "resident", 3000, None))
@@ -1011,10 +1013,7 @@ def test_a_first_turn_caches_a_popular_shared_prompt_where_later_turns_wait_less
 def test_in_pd_a_first_turn_starts_on_the_prefill_replica_free_now_whatever_queues_it_had():
     # P/D: the decode pool holds each conversation's history, and each later turn starts wherever the prefill pool
     # has room; the first turn's prefill replica is no home for them, and its usual queue is no wait of theirs.
-    cost = calibrated()
-    for _ in range(12):
-        for index in range(5):
-            cost.workload.observe_turn(index)
+    cost = with_five_turn_conversations(calibrated())
     # Turns have lately found 400 ms of queue on "a" and none on "b"; now "b" prefills 1,000 tokens and "a" is free.
     cost.typical_wait.observe(0.0, {"a": 400.0, "b": 0.0}, service_ms=100.0)
     views = [ReplicaView("a"), ReplicaView("b", prefill_tokens=1000, prefilling=1)]
