@@ -49,8 +49,8 @@ class Option(NamedTuple):
     @property
     def cost_ms(self) -> float:
         """What the kvrelay policy minimizes: this turn's time to first token, the delay it causes others, and the
-        waits its conversation's later turns will find where it leaves the history, less the recompute it spares
-        other conversations' first turns by caching a prefix they share."""
+        waits its conversation's later turns will find where it leaves the history, less what it spares other
+        conversations' first turns (their recompute and its delay to others) by caching a prefix they share."""
         return self.estimate_ms + self.impact_ms + self.later_wait_ms - self.seeds_ms
 
 

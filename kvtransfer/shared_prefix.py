@@ -16,7 +16,8 @@ without it never cached it, and the tenants sorted themselves onto replicas (mod
   requested at Poisson rate r is still cached when requested with probability 1 - exp(-r T). A cache that has
   evicted nothing yet has kept its blocks at least as long as it has been watched; that is its T until it evicts.
 Spread over the N live replicas, first turns request the prefix on each at rate / N; computing it on a replica spares
-the next of them its recompute with that probability (`reuse_probability`).
+the next of them its recompute, and the delay that recompute would impose on others, with that probability
+(`reuse_probability`; the planner prices both, `kvtransfer/planner.py`).
 
 Rates count the first turns this ingress plans: with several ingress replicas each sees its share, so the value is
 underestimated, never overestimated.
