@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,25 @@ def plot_sensitivity(out: Path, data: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def policy_runs(
+    runs: list[tuple[str, str]], jobs: int, profile: EngineProfile, replicas: int, topology: str, seed: int,
+    slo_ms: float, load: float,
+) -> Iterator[tuple[dict[str, Any], FleetResult]]:
+    """`run_policy`'s result for each (workload, policy) of `runs`, in that order. With `jobs` > 1 they run in that many
+    processes at once (each run is deterministic), prefix affinity's first: they are the longest (one replica's queue
+    holds every turn)."""
+    args = (topology, seed, slo_ms, load)
+    if jobs <= 1:
+        for workload, policy in runs:
+            yield run_policy(profile, replicas, policy, workload, *args)
+        return
+    with ProcessPoolExecutor(jobs) as pool:
+        pending = {(workload, policy): pool.submit(run_policy, profile, replicas, policy, workload, *args)
+                   for workload, policy in sorted(runs, key=lambda run: run[1] != "prefix_affinity")}
+        for run in runs:
+            yield pending[run].result()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="h100-llama-3.1-8b")
@@ -201,25 +220,18 @@ def main() -> None:
                             "slo_ms": args.slo_ms, "seed": args.seed, "load": args.load, "modelled": True,
                             "workloads": {}}
     names = args.policies.split(",")
-    runs = [(name, policy) for name in workloads for policy in names]
-    with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else nullcontext() as pool:
-        # Prefix affinity's runs are the longest (one replica's queue holds every turn): started first.
-        order = sorted(runs, key=lambda run: run[1] != "prefix_affinity")
-        pending = {run: pool.submit(run_policy, profile, args.replicas, run[1], run[0], args.topology, args.seed,
-                                    args.slo_ms, args.load) for run in order} if pool else {}
-        for name in workloads:
-            results: dict[str, FleetResult] = {}
-            policies: dict[str, Any] = {}
-            for policy in names:
-                done = pending.pop((name, policy)).result() if pool else run_policy(
-                    profile, args.replicas, policy, name, args.topology, args.seed, args.slo_ms, args.load)
-                policies[policy], results[policy] = done
-                t = policies[policy]["ttft_ms"]
-                print(f"{name:14s} {policy:16s} p50 {t['p50']:8.1f}  p90 {t['p90']:8.1f}  p99 {t['p99']:8.1f}  "
-                      f"goodput {policies[policy]['goodput_rps']:.2f}/s  pulls {policies[policy]['pulls']}",
-                      flush=True)
-            data["workloads"][name] = {"policies": policies}
-            plot(args.out, name, results)
+    done = policy_runs([(name, policy) for name in workloads for policy in names], args.jobs, profile, args.replicas,
+                       args.topology, args.seed, args.slo_ms, args.load)
+    for name in workloads:
+        results: dict[str, FleetResult] = {}
+        policies: dict[str, Any] = {}
+        for policy in names:
+            policies[policy], results[policy] = next(done)
+            t = policies[policy]["ttft_ms"]
+            print(f"{name:14s} {policy:16s} p50 {t['p50']:8.1f}  p90 {t['p90']:8.1f}  p99 {t['p99']:8.1f}  "
+                  f"goodput {policies[policy]['goodput_rps']:.2f}/s  pulls {policies[policy]['pulls']}", flush=True)
+        data["workloads"][name] = {"policies": policies}
+        plot(args.out, name, results)
     write_result(args.out, data)
     args.out.with_suffix(".md").write_text(markdown(data))
 

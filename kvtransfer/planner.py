@@ -133,16 +133,16 @@ def _options(
             compute = prices.recompute_ms(num_tokens - reused, reused, replica)
             mode = Mode.LOCAL if reused > 0 else Mode.RECOMPUTE
             ms = queue + compute + (cost.take_hold_ms + _read_wait_ms(replica, cost) if reused > cached else 0.0)
+            imposed = impact_ms(compute)
             seeds = 0.0
             if shared > reused:
                 # The next first turn sharing the prefix here would compute only the rest: its first token sooner,
                 # and the requests beside it delayed less.
                 rest = prices.recompute_ms(num_tokens - shared, shared, replica)
-                spared = compute - rest + impact_ms(compute) - impact_ms(rest)
+                spared = compute - rest + imposed - impact_ms(rest)
                 seeds = spared * cost.shared_prefixes.reuse_probability(shared_prefix, replica.replica_id, len(live))
             options.append(Option(mode, replica.replica_id, None, reused, cached,
-                                  prices.corrected(mode, contending, ms, on_busy), own_hold, ms, impact_ms(compute),
-                                  later, seeds))
+                                  prices.corrected(mode, contending, ms, on_busy), own_hold, ms, imposed, later, seeds))
         for hold in holds:
             reused = min(hold.num_tokens, num_tokens - 1)
             if hold.replica_id == replica.replica_id or reused <= cached:
