@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import pickle
-import sys
 import time
 import tracemalloc
 
 from actors.kv_directory import KVDirectoryActor
 from actors.replica_api import ReplicaIdentity, ReplicaStats
-from benchmarks.directory import fleet_load, serving_load
-from kvtransfer.directory_index.chains import COMPACT_FROM_ENTRIES
+from benchmarks.directory import fleet_load
 from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.directory_index.results import StoreResident
 from kvtransfer.prefix_key import PrefixKey, Scope
@@ -48,23 +46,6 @@ def test_a_fleet_shaped_directory_stays_under_its_bytes_per_block() -> None:
     per_block = used / stats.resident_blocks
     assert per_block < MAX_BYTES_PER_BLOCK, f"{per_block:.1f} bytes per block"
     assert used <= stats.bytes <= 1.4 * used, f"accounted {stats.bytes} bytes for {used} traced"
-    directory.check_integrity()
-
-
-def test_the_block_table_stays_compact_under_servings_deletes_and_inserts() -> None:
-    """Every served turn's blocks get a full record while its hold is pending and go back to their cache segment when
-    it is pulled: a delete and an insert each. CPython's dict keeps the dummies until a resize sized for three times
-    its entries, so without rebuilding the table this load left it at 62 bytes a block, twice the 31 of a dict that
-    only ever grew to its entries (a million blocks: 84 against 42)."""
-    conversations, blocks = 700, 120
-    assert conversations * blocks > COMPACT_FROM_ENTRIES
-    directory = KVDirectory(16, max_entries=10**9, max_bytes=2**62)
-    serving_load(directory, conversations, blocks, replicas=8, expires=time.time() + 3600)
-    stats = directory.stats()
-    assert stats.resident_blocks == conversations * blocks and stats.holds == 0
-    inserted_only = sys.getsizeof(dict.fromkeys(range(stats.entries)))  # a dict that only ever grew to them
-    assert directory.table_bytes() <= inserted_only, (
-        f"{directory.table_bytes() / stats.entries:.1f} bytes a block, {inserted_only / stats.entries:.1f} built")
     directory.check_integrity()
 
 

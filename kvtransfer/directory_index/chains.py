@@ -7,7 +7,6 @@ under "parent of"; `HoldIndex` and `ResidentIndex` add the two reasons a replica
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -30,12 +29,6 @@ from kvtransfer.prefix_key import HASH_BYTES, BlockHash, PrefixKey, Scope
 from kvtransfer.types import HoldId
 
 H = HASH_BYTES  # a key's block hashes are packed: block d (1-based depth) is hashes[(d - 1) * H : d * H]
-# A CPython dict's table costs 20 bytes a slot below 2^31 slots (a 4-byte index entry, a 24-byte entry for two slots in
-# three), and a table built for its entries has more than a third of its slots live: under 60 bytes an entry, plus
-# its headers (under a kilobyte).
-BUILT_TABLE_BYTES_PER_ENTRY = 60
-TABLE_HEADER_BYTES = 1024
-COMPACT_FROM_ENTRIES = 1 << 16  # below this the table is small, whatever its shape
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_ENTRIES = 2_000_000
@@ -216,25 +209,5 @@ class ChainIndex:
             direct = False
 
     def _enforce_bounds(self) -> int:
-        """Evict least recently used chains until within bounds, then rebuild the block table if it is sparse
-        (`_compact_if_sparse`); returns how many chains were evicted (`KVDirectory` evicts)."""
+        """Evict least recently used chains until within bounds; returns how many (`KVDirectory` evicts)."""
         raise NotImplementedError
-
-    def _compact_if_sparse(self) -> bool:
-        """Rebuild the block table if it has grown twice the size a table built for its blocks has; returns whether.
-
-        CPython's dicts never shrink, and a deleted entry stays a dummy until the next resize, which sizes the table
-        for three times the live entries. Serving deletes and re-inserts blocks all the time (a block whose hold ends
-        is keyed by its segment's hash object again, `_settle`; replicas evict), so a table of a million blocks
-        sat at 2^22 slots, 84 bytes a block, where 2^21 (42) hold them. The rebuild copies the entries once; after it
-        the table is under BUILT_TABLE_BYTES_PER_ENTRY, so it runs again only after the churn of another resize.
-        """
-        nodes = self._nodes
-        if len(nodes) < COMPACT_FROM_ENTRIES or (
-            sys.getsizeof(nodes) <= BUILT_TABLE_BYTES_PER_ENTRY * len(nodes) + TABLE_HEADER_BYTES
-        ):
-            return False
-        compact: dict[BlockHash, Node | Segment] = {}
-        compact.update(nodes)  # into an empty dict: sized for the entries, not cloned with the old table's size
-        self._nodes = compact
-        return True

@@ -6,7 +6,6 @@ derived count (`check_integrity`). What it is built from: `chains.py`, `holds.py
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 
 from kvtransfer.directory_index.chains import H
@@ -157,10 +156,6 @@ class KVDirectory(HoldIndex, ResidentIndex):
         self._by_index.pop(rep.index, None)
         return chains
 
-    def table_bytes(self) -> int:
-        """Bytes of the block table itself (its dict, not the hashes and records it points to)."""
-        return sys.getsizeof(self._nodes)
-
     def cache_turnover(self) -> dict[str, tuple[int, int]]:
         """Per replica, its resident blocks and the blocks its engine has evicted so far (`SharedPrefixes`)."""
         return {rid: (rep.resident_count, rep.evicted) for rid, rep in self._replicas.items()}
@@ -179,7 +174,6 @@ class KVDirectory(HoldIndex, ResidentIndex):
                 self._evict_segment(chain)
             evicted += 1
         self._chains_evicted += evicted
-        self._compact_if_sparse()
         return evicted
 
     def stats(self) -> DirectoryStats:
