@@ -170,24 +170,46 @@ def bench_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> dict[st
     }
 
 
+def fleet_conversation(index: int, blocks: int, block_size: int) -> tuple[list[int], list[bytes]]:
+    """Conversation `index` of a fleet-shaped load: its tokens (`blocks` full blocks and half of one more) and its
+    block hashes, fresh objects, as when unpickled from an event batch."""
+    rng = random.Random(index)
+    tokens = [_TOKEN_POOL[t % VOCAB] for t in array("H", rng.randbytes(2 * (blocks * block_size + block_size // 2)))]
+    return tokens, chain_hashes(scope_seed(SCOPE, block_size), tokens, block_size)
+
+
+def stored(hashes: list[bytes]) -> list[StoreResident]:
+    """A prefill's blocks as vLLM's KV events report them: two store ops (a chunked prefill's two steps)."""
+    half = len(hashes) // 2
+    return [StoreResident(None, tuple(hashes[:half])), StoreResident(hashes[half - 1], tuple(hashes[half:]))]
+
+
 def fleet_load(directory: KVDirectory, conversations: int, blocks: int, replicas: int, expires: float) -> None:
     """Store `conversations` conversations of `blocks` full blocks, each on one of `replicas` replicas (round robin),
-    as vLLM's KV events report a prefill: two store ops (a chunked prefill's two steps); and record a pending hold for
-    every 30th (the turn's KV exported for a pull). Blocks are held by one replica each, as in a fleet of distinct
-    conversations. The ops' hashes are fresh objects, as when unpickled from an event batch."""
+    and record a pending hold for every 30th (the turn's KV exported for a pull). Blocks are held by one replica
+    each, as in a fleet of distinct conversations."""
     bs = directory.block_size
-    seed = scope_seed(SCOPE, bs)
-    half = blocks // 2
     for i in range(conversations):
-        rng = random.Random(i)
-        tokens = [_TOKEN_POOL[t % VOCAB] for t in array("H", rng.randbytes(2 * (blocks * bs + bs // 2)))]
-        hashes = chain_hashes(seed, tokens, bs)
+        tokens, hashes = fleet_conversation(i, blocks, bs)
         replica = f"replica-{i % replicas}"
-        ops = [StoreResident(None, tuple(hashes[:half])), StoreResident(hashes[half - 1], tuple(hashes[half:]))]
-        directory.apply_resident(replica, ops)
+        directory.apply_resident(replica, stored(hashes))
         if i % 30 == 0:
             key = PrefixKey.build(tokens, SCOPE, bs)
             directory.record_hold(replica, key, kv_hold(i, blocks, len(tokens)), expires, prompt_tokens=blocks * bs)
+
+
+def serving_load(directory: KVDirectory, conversations: int, blocks: int, replicas: int, expires: float) -> None:
+    """`fleet_load`'s conversations as serving records them: each turn's hold first (the ingress, as the turn ends),
+    then its blocks (the replica's KV events), then the hold consumed (a pull): every block's full record is made and
+    settles back into its cache segment, a delete and an insert in the block table."""
+    bs = directory.block_size
+    for i in range(conversations):
+        tokens, hashes = fleet_conversation(i, blocks, bs)
+        replica = f"replica-{i % replicas}"
+        hold = kv_hold(i, blocks, len(tokens))
+        directory.record_hold(replica, PrefixKey.build(tokens, SCOPE, bs), hold, expires, prompt_tokens=blocks * bs)
+        directory.apply_resident(replica, stored(hashes))
+        directory.consume_hold(hold.hold_id)
 
 
 def rss_bytes() -> int:
@@ -197,7 +219,8 @@ def rss_bytes() -> int:
 
 def bench_fleet_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> dict[str, Any]:
     """Bytes per resident block of a fleet-shaped load: the process's RSS growth (as `benchmarks.control_plane`
-    measures the actors), then tracemalloc's count on a second load, by the line that allocated it."""
+    measures the actors), then tracemalloc's count on a second load, by the line that allocated it; and the bytes of
+    the block table per block when the same conversations come as serving records them (`serving_load`)."""
     blocks_each = args.fleet_conversation_blocks
     conversations = args.fleet_blocks // blocks_each
     unbounded = {"max_entries": 10**9, "max_bytes": 2**62}
@@ -221,6 +244,12 @@ def bench_fleet_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> d
     used = tracemalloc.get_traced_memory()[0] - base
     snapshot = tracemalloc.take_snapshot()
     tracemalloc.stop()
+    del directory
+    gc.collect()
+    serving = KVDirectory(args.block_size, **unbounded)
+    serving_started = time.perf_counter()
+    serving_load(serving, conversations, blocks_each, args.replicas, time.time() + 3600)
+    serving_s = time.perf_counter() - serving_started
     blocks = stats.resident_blocks
     by_line = {}
     for stat in snapshot.statistics("lineno")[:12]:
@@ -236,6 +265,10 @@ def bench_fleet_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> d
         "fleet_accounted_bytes_per_block": round(stats.bytes / blocks, 1),
         "fleet_gc_full_collection_ms": round(gc_ms, 1),
         "fleet_traced_bytes_per_block_by_line": by_line,
+        # The same conversations as serving records them (`serving_load`): every block's record made and settled.
+        "serving_blocks": serving.stats().resident_blocks,
+        "serving_table_bytes_per_block": round(serving.table_bytes() / serving.stats().resident_blocks, 1),
+        "serving_load_s": round(serving_s, 1),
     }
 
 

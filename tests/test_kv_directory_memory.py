@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import pickle
+import sys
 import time
 import tracemalloc
 
 from actors.kv_directory import KVDirectoryActor
 from actors.replica_api import ReplicaIdentity, ReplicaStats
-from benchmarks.directory import fleet_load
+from benchmarks.directory import fleet_load, serving_load
 from kvtransfer.directory_index.index import KVDirectory
 from kvtransfer.directory_index.results import StoreResident
-from kvtransfer.prefix_key import PrefixKey, Scope
+from kvtransfer.prefix_key import HASH_BYTES, PrefixKey, Scope
 from kvtransfer.types import Hold, HoldId
 
 # This load measured 115 traced bytes per block (accounted: 1.26 times that), and 1M blocks of the same shape under
@@ -46,6 +47,38 @@ def test_a_fleet_shaped_directory_stays_under_its_bytes_per_block() -> None:
     per_block = used / stats.resident_blocks
     assert per_block < MAX_BYTES_PER_BLOCK, f"{per_block:.1f} bytes per block"
     assert used <= stats.bytes <= 1.4 * used, f"accounted {stats.bytes} bytes for {used} traced"
+    directory.check_integrity()
+
+
+def test_serving_leaves_the_block_table_as_compact_as_inserting_alone_and_one_hash_object_a_block() -> None:
+    """Every served turn's blocks get a full record while its hold is pending (the ingress records it as the turn ends,
+    before the replica's KV events store the blocks) and go back to their cache segment when it is pulled. Deleting
+    and re-inserting each such block left CPython's table with a dummy per block until a resize sized for three times
+    its entries: this load left it at 62 bytes a block against the 31 of a dict that only grew (a million blocks: 84
+    against 42), and keeping the event's copy of each hash beside the hold's would cost one more hash object a
+    block."""
+    conversations, blocks = 700, 120
+    directory = KVDirectory(16, max_entries=10**9, max_bytes=2**62)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        serving_load(directory, conversations, blocks, replicas=8, expires=time.time() + 3600)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+        one_hash = sys.getsizeof(b"\0" * HASH_BYTES)
+        # Live hash objects, wherever they were cut (an event's hashes, a hold's key): lines allocating just those.
+        hash_objects = sum(s.count for s in tracemalloc.take_snapshot().statistics("lineno")
+                           if s.count and s.size == s.count * one_hash)
+    finally:
+        tracemalloc.stop()
+    stats = directory.stats()
+    assert stats.resident_blocks == conversations * blocks and stats.holds == 0
+    inserted_only = sys.getsizeof(dict.fromkeys(range(stats.entries)))  # a dict that only ever grew to them
+    assert directory.table_bytes() <= inserted_only, (
+        f"{directory.table_bytes() / stats.entries:.1f} bytes a block, {inserted_only / stats.entries:.1f} built")
+    assert hash_objects <= 1.05 * stats.entries, f"{hash_objects / stats.entries:.2f} hash objects a block"
+    assert used < MAX_BYTES_PER_BLOCK * stats.entries
     directory.check_integrity()
 
 

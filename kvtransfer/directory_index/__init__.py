@@ -8,6 +8,6 @@ and feeds every ingress's mirror of it (`app/directory_mirror.py`). `results` ha
 lookup returns lives in `kvtransfer.types`.
 
 The directory is a hint that is safe to lose: a missing entry costs speed, never a wrong answer. Matched
-counts are exact for what it was told (full blocks by 128-bit chained hash, a hold's partial last block
+counts are exact for what it was told (full blocks by 120-bit chained hash, a hold's partial last block
 by its stored tokens), and an expired or consumed hold is never offered.
 """

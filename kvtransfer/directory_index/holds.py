@@ -119,7 +119,7 @@ class HoldIndex(ChainIndex):
             parent = hashes[(i - 1) * H : i * H] if i else None
             node = nodes.get(key)
             if node is None:
-                node = nodes[key] = Node(parent)
+                node = nodes[key] = Node(key, parent)
                 self._bytes += NODE_BYTES + FULL_NODE_BYTES
                 created += 1
             elif type(node) is Segment:

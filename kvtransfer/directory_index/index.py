@@ -6,6 +6,7 @@ derived count (`check_integrity`). What it is built from: `chains.py`, `holds.py
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 from kvtransfer.directory_index.chains import H
@@ -156,6 +157,10 @@ class KVDirectory(HoldIndex, ResidentIndex):
         self._by_index.pop(rep.index, None)
         return chains
 
+    def table_bytes(self) -> int:
+        """Bytes of the block table itself (its dict, not the hashes and records it points to)."""
+        return sys.getsizeof(self._nodes)
+
     def cache_turnover(self) -> dict[str, tuple[int, int]]:
         """Per replica, its resident blocks and the blocks its engine has evicted so far (`SharedPrefixes`)."""
         return {rid: (rep.resident_count, rep.evicted) for rid, rep in self._replicas.items()}
@@ -209,6 +214,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
         for key, node in nodes.items():
             if type(node) is Segment:
                 position = node.position(key)
+                assert node.hashes[position] is key, "a segment holds another copy of the table's key"
                 assert node.live > 0 and self._lru.get(node.chain_id) is node, "plain entry in a dead segment"
                 assert node.mask is replica_bit(node.replica)
                 assert key not in self._by_index[node.replica].resident, "plain entry also kept as a full node"
@@ -217,6 +223,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
                 continue
             full_nodes += 1
             assert type(node) is Node
+            assert node.key is key, "a node keeps another copy of the table's key"
             for refs, mask in ((node.hrefs, node.hmask), (node.rrefs, node.rmask)):
                 assert (type(refs) is dict) == (mask & (mask - 1) != 0), "refs not kept as the mask's shape asks"
                 assert type(refs) is not dict or set(refs) == set(bits(mask)), "refs of replicas off the mask"
@@ -231,6 +238,7 @@ class KVDirectory(HoldIndex, ResidentIndex):
             assert rep.bit is replica_bit(rep.index)
             for key, seg in rep.resident.items():
                 assert type(nodes.get(key)) is Node, "full-node resident entry without a Node"
+                assert seg.hashes[seg.position(key)] is nodes[key].key, "a segment holds another copy of the key"
                 resident_on[key, rep.index] = seg
         hold_refs: dict[tuple[BlockHash, int], int] = {}
         res_refs: dict[tuple[BlockHash, int], int] = {key_index: 1 for key_index in resident_on}

@@ -31,9 +31,12 @@ class Node:
     one replica is in the mask, a dict by replica index while several are.
     """
 
-    __slots__ = ("parent", "mask", "hmask", "hrefs", "rmask", "rrefs", "ends")
+    __slots__ = ("key", "parent", "mask", "hmask", "hrefs", "rmask", "rrefs", "ends")
 
-    def __init__(self, parent: BlockHash | None) -> None:
+    def __init__(self, key: BlockHash, parent: BlockHash | None) -> None:
+        # The directory's own key object for this block: a cache segment that records the block holds this very
+        # object, so that the block settles back into its segment without re-keying (`ChainIndex._settle`).
+        self.key = key
         self.parent = parent
         self.mask = 0  # hmask | rmask: the replicas holding this node at all (what lookups read)
         self.hmask = 0  # replicas holding this node through holds
@@ -212,7 +215,7 @@ def deep_size(obj: Any, _depth: int = 0) -> int:
 # in the entries table plus index space, at the table's load between one third and two thirds.
 _DICT_SLOT_BYTES = 56
 NODE_BYTES = alloc(b"\0" * HASH_BYTES) + _DICT_SLOT_BYTES  # every block: its hash and its slot in the directory
-FULL_NODE_BYTES = alloc(Node(None))  # a block with a full Node: the Node
+FULL_NODE_BYTES = alloc(Node(b"", None))  # a block with a full Node: the Node
 RESIDENT_NODE_BYTES = _DICT_SLOT_BYTES  # a full Node's entry in the `resident` of a replica that caches it
 HOLD_BYTES = alloc(HoldRecord(HoldId("", 0), 0, b"", 0, b"", None, 0.0, 0)) + 3 * _DICT_SLOT_BYTES + 64
 PROMPT_END_BYTES = _DICT_SLOT_BYTES  # a hold's entry in the directory's prompt ends

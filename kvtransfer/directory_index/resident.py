@@ -92,10 +92,11 @@ class ResidentIndex(ChainIndex):
                     if node is old:
                         seg_refs.append(old.refs[position])
                         nodes[key] = seg
+                        seg_hashes.append(old.hashes[position])  # the table's key object (as below, `Node.key`)
                     else:
                         seg_refs.append(0)
                         rep.resident[key] = seg
-                    seg_hashes.append(key)
+                        seg_hashes.append(node.key)
                     self._unlink_segment_block(rep, old)
                 else:
                     if type(node) is Segment:
@@ -110,7 +111,7 @@ class ResidentIndex(ChainIndex):
                         self._add_child_ref(rep, prev, seg, len(seg_hashes) - 1)
                     rep.resident[key] = seg
                     self._bytes += RESIDENT_NODE_BYTES
-                    seg_hashes.append(key)
+                    seg_hashes.append(node.key)  # the table's key object: the event's copy of the hash is dropped
                     seg_refs.append(0)
                     self._settle(key, node, (seg, len(seg_hashes) - 1))
                     self._resident_blocks += 1
@@ -168,7 +169,7 @@ class ResidentIndex(ChainIndex):
         position = seg.position(key, hint)
         parent, left = seg.parent_of(position), seg.refs[position] - 1
         if left:  # the replica still holds children of it: a hole
-            hole = Node(parent)
+            hole = Node(seg.hashes[position], parent)
             hole.rmask = hole.mask = rep.bit
             hole.rrefs = left
             self._nodes[key] = hole
