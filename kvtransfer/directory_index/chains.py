@@ -153,8 +153,10 @@ class ChainIndex:
         # The segment holds the directory's key object for the block (`Node.key`): an assignment keeps it, with no
         # second hash object alive and no deleted slot left in the table. (Deleting and re-inserting every block whose
         # hold ended left the table at 2^22 slots for a million blocks, 84 bytes a block where 42 hold them.)
-        assert seg.hashes[position] is node.key
-        self._nodes[key] = seg
+        stored = seg.hashes[position]
+        if stored is not node.key:  # never expected (`check_integrity` asserts it): re-key under the segment's copy
+            del self._nodes[key]
+        self._nodes[stored] = seg
         self._bytes -= FULL_NODE_BYTES + RESIDENT_NODE_BYTES
         return seg, position
 
