@@ -400,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         "query_tokens": args.tokens + args.new_turn_tokens,
     }
     parts = set(args.parts.split(","))
-    benches = {"inproc": bench_inproc, "memory": bench_memory, "fleet_memory": bench_fleet_memory, "ray": bench_ray}
+    # fleet_memory first: its RSS growth is only the load's in a process that has not yet freed other parts' memory
+    # (after them it read 70 bytes a block where tracemalloc counted 118).
+    benches = {"fleet_memory": bench_fleet_memory, "inproc": bench_inproc, "memory": bench_memory, "ray": bench_ray}
     for part, bench in benches.items():
         if part in parts:
             figures.update(bench(args, queries))
