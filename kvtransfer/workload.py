@@ -43,6 +43,12 @@ class WorkloadForecast:
         return share / (1 - share)
 
     @property
+    def knows_future(self) -> bool:
+        """Whether enough turns of known place have been seen to tell how many more a conversation brings after a
+        turn at its place (`expected_future_turns`); before that, the forecast is a guess from few turns or none."""
+        return sum(1 for i in self._turn_index if i is not None) >= self.MIN_PLACED_TURNS
+
+    @property
     def continuation_share(self) -> float:
         """The share of recent turns that continued a conversation (0 before any was seen)."""
         turns = self._turn_index

@@ -1068,3 +1068,26 @@ def test_a_turn_reading_a_hold_pays_the_measured_time_to_take_it_from_the_direct
     after = plan_turn(64 + 32, history, replicas, cost, targets={"b"})
     assert after.estimates_ms[Mode.PULL] == pytest.approx(before.estimates_ms[Mode.PULL] + 30.0, abs=0.01)
     assert after.mode is Mode.RECOMPUTE
+
+
+def test_first_turns_start_where_prefix_affinity_would_until_the_forecast_knows_whether_conversations_go_on():
+    # Two CPU engines of one node that slow each other; "a" has three first turns to prefill, "b" is idle, nothing
+    # is cached. By the estimates the fourth first turn is faster on "b" (priced as one-shot traffic); but its
+    # conversation's later turns would run there beside "a", for as many turns as the forecast cannot yet tell.
+    def cost_with(shared: bool, forecast: bool) -> CostModel:
+        cost = calibrated(prefill_ms_per_token=3.0)
+        cost.shared_compute = shared
+        cost.contention.observe((1.0,), 0.4)
+        return with_five_turn_conversations(cost) if forecast else cost
+
+    views = with_busy_peers([ReplicaView("a", prefill_tokens=3000, prefilling=3), ReplicaView("b")],
+                            {"a": "node", "b": "node"})
+
+    def first_turn(cost: CostModel) -> str:
+        return plan_turn(1000, lookup(1000), views, cost, turn_index=0).replica_id
+
+    assert first_turn(cost_with(shared=True, forecast=False)) == "a"  # where prefix affinity starts it
+    assert plan_turn(1000, lookup(1000), views, cost_with(True, False), turn_index=0,
+                     policy="prefix_affinity").replica_id == "a"
+    assert first_turn(cost_with(shared=True, forecast=True)) == "b"  # priced for its later turns: it pays
+    assert first_turn(cost_with(shared=False, forecast=False)) == "b"  # a GPU each: no later turn is slowed
