@@ -41,17 +41,18 @@ class Option(NamedTuple):
     model_ms: float = 0.0
     # Delay this option imposes on other requests' first tokens: on its target, or on busy engines beside it.
     impact_ms: float = 0.0
-    # What the conversation's later turns, which find their history on the target, will typically wait there.
-    later_wait_ms: float = 0.0
+    # What the conversation's later turns, which find their history on the target, add to first tokens there: their
+    # compute slowed by the busy engines beside it, and, for a first turn, what turns typically wait there.
+    later_turns_ms: float = 0.0
     # What computing a shared prefix here (a first turn's, cached elsewhere) spares the first turns sharing it next.
     seeds_ms: float = 0.0
 
     @property
     def cost_ms(self) -> float:
         """What the kvrelay policy minimizes: this turn's time to first token, the delay it causes others, and the
-        waits its conversation's later turns will find where it leaves the history, less what it spares other
+        delays its conversation's later turns will find where it leaves the history, less what it spares other
         conversations' first turns (their recompute and its delay to others) by caching a prefix they share."""
-        return self.estimate_ms + self.impact_ms + self.later_wait_ms - self.seeds_ms
+        return self.estimate_ms + self.impact_ms + self.later_turns_ms - self.seeds_ms
 
 
 def contending_peers(replica: ReplicaView, cost: CostModel) -> int:

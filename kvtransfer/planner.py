@@ -1,25 +1,24 @@
 """The turn planner: where a conversation turn runs, and whether it reuses a local prefix, pulls, or recomputes.
 
-`plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and
-the cost model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one
-with the lowest cost: its estimated time to first token plus the delay it would impose on other requests' first
-tokens (requests arriving at a busy target wait for its prefill; an idle engine that starts work slows the busy
-engines sharing its node, by the measured contention, and with them the first tokens waiting or arriving there;
-and on any target, the later turns the conversation will bring there keep it decoding beside the busy engines of
-its node, slowing the first tokens arriving at them). Slower decoding is priced only through those first tokens:
-it lengthens replies already started, not their wait. A conversation's first turn also founds its home: its later
-turns will find their history on the target and wait there what turns typically wait there (`CostModel.typical_wait`),
-so each of its options is priced for those waits too; and one that computes a prefix other replicas cache (a shared
-system prompt) leaves it cached on the target for the next first turns sharing it, whose recompute it is credited
-with, by the chance they find it still there (`CostModel.shared_prefixes`).
-So a busy holder can lose the turn to an idle replica that pulls from it, a turn joins a busy engine beside an
-idle one when that engine is busy enough that slowing it would cost others more than the turn saves, and of two
-busy engines the one with less traffic drains into the other as its conversations' next turns move. The choice
-among the priced options is a placement policy's (`kvtransfer/policies/`, one file each): kvrelay's own, or one of
-the routing rules users would otherwise run (round robin, session affinity, prefix affinity, vLLM's fixed pull
-threshold), chosen from the same options so that benchmarks compare them on the same engines and every plan still
-reports every estimate.
-"""
+`plan_turn` is a pure function of the turn's length, the KV directory's answer, the live replicas' load and the cost
+model. It weighs every (target replica, mode) pair and, under the `kvrelay` policy, returns the one with the lowest
+cost: its estimated time to first token plus the delay it would impose on other requests' first tokens (requests
+arriving at a busy target wait for its prefill; an idle engine that starts work slows the busy engines sharing its
+node, by the measured contention, and with them the first tokens waiting or arriving there; and on any target, the
+later turns the conversation will bring there keep it decoding beside the busy engines of its node, slowing the
+first tokens arriving at them). Slower decoding is priced only through those first tokens: it lengthens replies
+already started, not their wait. Wherever a turn runs, its conversation's later turns will find their history: they
+compute there beside the node's busy engines, slower by the measured contention, which each option is priced for. A
+conversation's first turn founds that home: its later turns will also wait there what turns typically wait there
+(`CostModel.typical_wait`), so each of its options is priced for those waits too; and one that computes a prefix
+other replicas cache (a shared system prompt) leaves it cached on the target for the next first turns sharing it,
+whose recompute it is credited with, by the chance they find it still there (`CostModel.shared_prefixes`). So a busy
+holder can lose the turn to an idle replica that pulls from it, a turn joins a busy engine beside an idle one when
+that engine is busy enough that slowing it would cost others more than the turn saves, and of two busy engines the
+one with less traffic drains into the other as its conversations' next turns move. The choice among the priced
+options is a placement policy's (`kvtransfer/policies/`, one file each): kvrelay's own, or one of the routing rules
+users would otherwise run (round robin, session affinity, prefix affinity, vLLM's fixed pull threshold), chosen from
+the same options so that benchmarks compare them on the same engines and every plan still reports every estimate."""
 
 from __future__ import annotations
 
@@ -122,11 +121,12 @@ def _options(
         queue = cost.queue_ms(replica)
         if queues is not None:
             queues[replica.replica_id] = queue
-        # A first turn founds the conversation's home: its later turns will wait there what turns typically wait
-        # (a later turn's move is the stay rule's: a transient queue would move it off a holder about to be idle).
-        later = (impact.future * cost.typical_wait.marginal_ms(replica.replica_id)
-                 if turn_index == 0 and founds_home else 0.0)
         contending, on_busy, impact_ms = contending_peers(replica, cost), busy_target(replica, cost), impact.on(replica)
+        # Where the turn runs, its conversation's later turns find their history: they will compute beside the busy
+        # engines of the target's node, slower by the measured contention, and, priced for a first turn, wait there
+        # what turns typically wait (a later turn's move is the stay rule's: a transient queue would move it off a
+        # holder about to be idle).
+        later = impact.future * _later_turn_ms(replica, contending, cost, turn_index == 0) if founds_home else 0.0
         # From the prefix cache alone; and, where the target's own hold has more, reading that too.
         own = min(own_hold.num_tokens, num_tokens - 1) if own_hold is not None else 0
         for reused in (cached, own) if own > cached else (cached,):
@@ -156,6 +156,19 @@ def _options(
                                   prices.corrected(Mode.PULL, contending, ms, on_busy), hold, ms, impact_ms(rest),
                                   later))
     return options
+
+
+def _later_turn_ms(target: ReplicaView, contending: int, cost: CostModel, waits: bool) -> float:
+    """What each later turn of a conversation living on `target` adds to first tokens there: its compute (a turn's
+    typical) slowed by the `contending` busy engines beside `target` while they stay busy, and if `waits`, its
+    typical wait with the waits it adds to others' (`TypicalWait.marginal_ms`). Priced by the wait alone, new
+    conversations under aiperf's closed loop on two CPU replicas started on the idle engine beside the one serving the
+    four others (a wait of 200 ms a turn there against none), and a later turn queued there pulled its history over:
+    from then on both engines computed at once, and every later turn's prefill ran slower beside the other's (TTFT
+    p50 0.81x of prefix affinity's, which kept every conversation on one engine)."""
+    typical = cost.typical_wait
+    slowed = (cost.slowdown(contending, target.replica_id) - 1.0) * (typical.service_ms or 0.0)
+    return slowed + (typical.marginal_ms(target.replica_id) if waits else 0.0)
 
 
 def _read_wait_ms(target: ReplicaView, cost: CostModel) -> float:

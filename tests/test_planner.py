@@ -969,7 +969,7 @@ def test_a_first_turn_founds_its_conversation_where_its_later_turns_will_wait_le
     founded = plan_turn(3200, system_prompt, views, cost, turn_index=0)
     assert founded.replica_id == "b"
     on_a = next(o for o in _options(3200, system_prompt, views, cost, turn_index=0) if o.replica_id == "a")
-    assert on_a.later_wait_ms == pytest.approx(4 * 400.0 * (2 + 400.0 / 100.0))
+    assert on_a.later_turns_ms == pytest.approx(4 * 400.0 * (2 + 400.0 / 100.0))
     # A later turn's history is where it is: the typical waits do not move it (the stay rule decides).
     later = lookup(3200, ReplicaMatch("a", 3100, "resident", 3100, None))
     assert plan_turn(3200, later, views, cost, turn_index=2).replica_id == "a"
@@ -977,6 +977,32 @@ def test_a_first_turn_founds_its_conversation_where_its_later_turns_will_wait_le
     assert founded.queues_ms == {"a": 0.0, "b": 0.0}
     observe_queues(cost, founded, TypicalWait.TAU_S)
     assert cost.typical_wait.ms("a") == pytest.approx(400.0 * math.exp(-1))
+
+
+def test_a_first_turn_prices_its_later_turns_computing_beside_the_busy_engines_of_its_home_node():
+    # CPU engines of one node that slow each other by 40%; "a" serves the other conversations (turns have waited
+    # 200 ms there), "b" beside it is idle. Conversations run five turns; a turn computes 1 s on average.
+    cost = with_five_turn_conversations(calibrated(prefill_ms_per_token=1.0))
+    cost.contention.observe((1.0,), 0.4)
+    cost.typical_wait.observe(0.0, {"a": 200.0, "b": 0.0}, service_ms=1000.0)
+    views = with_busy_peers([ReplicaView("a", running=3, decode_tok_s=10.0), ReplicaView("b")],
+                            {"a": "node", "b": "node"})
+    options = {o.replica_id: o for o in _options(900, lookup(900), views, cost, turn_index=0)}
+    # On "b" each of its four later turns computes beside busy "a", 0.4 x 1 s slower; on "a" it waits its queue.
+    assert options["b"].later_turns_ms == pytest.approx(4 * 0.4 * 1000.0)
+    assert options["a"].later_turns_ms == pytest.approx(4 * 200.0 * (2 + 200.0 / 1000.0))
+    assert plan_turn(900, lookup(900), views, cost, turn_index=0).replica_id == "a"
+    # A second turn pulling its history from "a" to "b" moves the conversation's three turns after it there too.
+    second = lookup(1000, ReplicaMatch("a", 900, "resident", 900, hold("a", 900)))
+    pull = next(o for o in _options(1000, second, views, cost, turn_index=1) if o.mode is Mode.PULL)
+    assert (pull.replica_id, pull.later_turns_ms) == ("b", pytest.approx(3 * 0.4 * 1000.0))
+    # A GPU each: nothing beside "b" slows its later turns, and the conversation starts there, where none wait.
+    cost.shared_compute = False
+    views = with_busy_peers([ReplicaView("a", running=3, decode_tok_s=10.0), ReplicaView("b")],
+                            {"a": "node", "b": "node"}, shared_compute=False)
+    assert next(o for o in _options(900, lookup(900), views, cost, turn_index=0)
+                if o.replica_id == "b").later_turns_ms == 0.0
+    assert plan_turn(900, lookup(900), views, cost, turn_index=0).replica_id == "b"
 
 
 def test_a_first_turn_caches_a_popular_shared_prompt_where_later_turns_wait_less_than_where_it_is_cached():
