@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from actors.replica_api import ReplicaStats
 from kvtransfer.load import ReplicaView
@@ -39,22 +39,6 @@ class InFlight:
 
     def now(self) -> float:
         return self._clock()
-
-    def arrival_rate(self, replica_id: str, conversation: PrefixKey | None = None) -> float:
-        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S, not counting the
-        earlier turns of `conversation` (a turn's prompt): the traffic a placement of its next turn would slow is
-        the other conversations'. Counted with its own, a conversation living on the quieter of two busy engines
-        saw its own turns there as traffic its stay elsewhere would slow, and two engines holding two conversations
-        each priced staying and moving alike: both stayed busy side by side for the rest of those conversations."""
-        arrivals = self._arrivals.get(replica_id)
-        if not arrivals:
-            return 0.0
-        while arrivals and arrivals[0][0] < self._clock() - self.RATE_WINDOW_S:
-            arrivals.popleft()
-        count = len(arrivals)
-        if conversation is not None:
-            count -= sum(1 for _, end in arrivals if end is not None and conversation.has_block(end))
-        return count / self.RATE_WINDOW_S
 
     def busy_share(self, replica_id: str, since: float, until: float) -> float:
         """The share of [since, until] (this clock) during which this ingress had a request in flight on the
@@ -93,30 +77,64 @@ class InFlight:
         for rid in [rid for rid, (_, ended, _) in mine.items() if ended is not None and now - ended > self.RETAIN_S]:
             del mine[rid]
 
-    def view(self, stats: ReplicaStats, conversation: PrefixKey | None = None) -> ReplicaView:
-        """The planner's view of a replica for a turn whose prompt is `conversation`: others' requests as of its
-        heartbeat, and this ingress's now; its arrival rate without the conversation's own turns."""
-        mine = self._requests.get(stats.replica_id, {}).values()
-        seen_by_heartbeat = sum(
-            1 for started, ended, _ in mine if started <= stats.at and (ended is None or ended > stats.at)
-        )
-        live = [(started, pending) for started, ended, pending in mine if ended is None]
-        others = max(0, stats.running + stats.waiting - seen_by_heartbeat)
-        prefilling = [(started, pending) for started, pending in live if pending is not None]
+    def views(self, beats: Sequence[ReplicaStats], conversation: PrefixKey | None = None) -> list[ReplicaView]:
+        """The planner's view of each replica for a turn whose prompt is `conversation`: others' requests as of its
+        heartbeat, and this ingress's now; its arrival rate without the conversation's own turns. Built for every live
+        replica on each turn, so the conversation's block hashes are collected once and a replica this ingress has
+        sent nothing to lately costs one view."""
+        now = self._clock()
+        own = frozenset(conversation.block_hashes) if conversation is not None else frozenset()
+        return [self._view(beat, own, now) for beat in beats]
+
+    def _view(self, beat: ReplicaStats, own: frozenset[BlockHash], now: float) -> ReplicaView:
+        rate = self._arrival_rate(beat.replica_id, own, now)
+        mine = self._requests.get(beat.replica_id)
+        if not mine:
+            return ReplicaView(beat.replica_id, running=beat.running + beat.waiting, decode_tok_s=beat.decode_tok_s,
+                               arrival_rate=rate)
+        seen_by_heartbeat = live = prefill_tokens = prefilling = 0
+        oldest = now
+        for started, ended, pending in mine.values():
+            if started <= beat.at and (ended is None or ended > beat.at):
+                seen_by_heartbeat += 1
+            if ended is None:
+                live += 1
+                if pending is not None:
+                    prefilling += 1
+                    prefill_tokens += pending
+                    oldest = min(oldest, started)
         elapsed_ms = 0.0
         if prefilling:
             # The engine has worked on these prefills since the oldest was sent, or since the prefill before it in
             # line gave its first token: that part of them is done.
-            oldest = min(started for started, _ in prefilling)
-            began = max(oldest, self._first_token_at.get(stats.replica_id, oldest))
-            elapsed_ms = max(0.0, self._clock() - began) * 1e3
+            began = max(oldest, self._first_token_at.get(beat.replica_id, oldest))
+            elapsed_ms = max(0.0, now - began) * 1e3
+        others = max(0, beat.running + beat.waiting - seen_by_heartbeat)
         return ReplicaView(
-            stats.replica_id,
-            running=others + len(live) - len(prefilling),
+            beat.replica_id,
+            running=others + live - prefilling,
             waiting=0,
-            decode_tok_s=stats.decode_tok_s,
-            prefill_tokens=sum(pending for _, pending in prefilling),
-            prefilling=len(prefilling),
-            arrival_rate=self.arrival_rate(stats.replica_id, conversation),
+            decode_tok_s=beat.decode_tok_s,
+            prefill_tokens=prefill_tokens,
+            prefilling=prefilling,
+            arrival_rate=rate,
             prefill_elapsed_ms=elapsed_ms,
         )
+
+    def _arrival_rate(self, replica_id: str, own: frozenset[BlockHash], now: float) -> float:
+        """Requests per second this ingress sent to the replica over the last RATE_WINDOW_S, not counting those
+        whose prompt ended at one of `own`'s blocks (the earlier turns of the planned turn's conversation): the traffic
+        a placement of its next turn would slow is the other conversations'. Counted with its own, a conversation
+        living on the quieter of two busy engines saw its own turns there as traffic its stay elsewhere would slow,
+        and two engines holding two conversations each priced staying and moving alike: both stayed busy side by
+        side for the rest of those conversations."""
+        arrivals = self._arrivals.get(replica_id)
+        if not arrivals:
+            return 0.0
+        since = now - self.RATE_WINDOW_S
+        while arrivals and arrivals[0][0] < since:
+            arrivals.popleft()
+        count = len(arrivals)
+        if own:
+            count -= sum(1 for _, end in arrivals if end in own)
+        return count / self.RATE_WINDOW_S

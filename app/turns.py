@@ -127,7 +127,7 @@ class TurnRunner:
                 turn_index = None
         node_of = {r.replica_id: r.node_id for r in replicas}
         self.cost.set_nodes(node_of)  # the live replicas' nodes, as the directory has them (no turn recorded)
-        views = with_busy_peers([self.inflight.view(r, key) for r in replicas], node_of, self.cost.shared_compute)
+        views = with_busy_peers(self.inflight.views(replicas, key), node_of, self.cost.shared_compute)
 
         if not views:
             # Replicas have not reported yet (start-up) or the directory restarted: let Serve choose.

@@ -342,15 +342,15 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     inflight.started("a", "r1", 500)
     now[0] = 100.2
     beat = heartbeat(at=100.1, running=2)  # r1 and one request of another ingress
-    view = inflight.view(beat)
+    view = inflight.views([beat])[0]
     assert (view.running, view.prefill_tokens) == (1, 500)  # the other ingress's, plus r1 still prefilling
     inflight.first_token("a", "r1")
     now[0] = 100.3
     inflight.ended("a", "r1")
     # The same (stale) heartbeat still counts r1: it ended since, so only the other request remains.
-    assert inflight.view(beat).running == 1
+    assert inflight.views([beat])[0].running == 1
     inflight.started("a", "r2", 40)  # sent after the heartbeat: not in it, known here
-    view = inflight.view(beat)
+    view = inflight.views([beat])[0]
     assert (view.running, view.prefill_tokens) == (1, 40)
     # A request whose replica Serve chose (a P/D decode stage: accounted under none) counts, once it answers,
     # where it ran: the next heartbeat's count of it is then known to be this ingress's, and its end is seen.
@@ -359,7 +359,7 @@ def test_heartbeats_are_reconciled_with_what_the_ingress_sent_since():
     now[0] = 100.5
     inflight.ended("a", "r3")
     later = heartbeat(at=100.45, running=2)  # r2 and r3; the other ingress's request has ended
-    view = inflight.view(later)
+    view = inflight.views([later])[0]
     assert (view.running, view.prefill_tokens) == (0, 40)  # r3 ended: no phantom load left behind
 
 
@@ -379,7 +379,7 @@ def test_a_busy_engines_queue_is_what_its_prefills_have_left():
     whole = cost.queued_prefill_ms(1000, 1)  # about 305 ms
     inflight.started("a", "first", 1000)
     now[0] = 100.2
-    view = inflight.view(beat)
+    view = inflight.views([beat])[0]
     assert (view.prefill_tokens, view.prefill_elapsed_ms) == (1000, pytest.approx(200.0))
     assert cost.queue_ms(view) == pytest.approx(whole - 200.0)
     # A second turn sent meanwhile waits behind the first: the engine starts it once the first gives its first token.
@@ -387,13 +387,13 @@ def test_a_busy_engines_queue_is_what_its_prefills_have_left():
     now[0] = 100.4
     inflight.first_token("a", "first")
     now[0] = 100.45
-    view = inflight.view(beat)
+    view = inflight.views([beat])[0]
     assert (view.prefill_tokens, view.prefill_elapsed_ms) == (1000, pytest.approx(50.0))
     step = cost.decode_step_ms  # the first one decodes now: a new prefill also waits a step of it
     assert cost.queue_ms(view) == pytest.approx(whole - 50.0 + step)
     # Longer than the estimate: no prefill is left to wait for, whatever the estimate said.
     now[0] = 101.5
-    assert cost.queue_ms(inflight.view(beat)) == pytest.approx(step)
+    assert cost.queue_ms(inflight.views([beat])[0]) == pytest.approx(step)
     # Where a view counts only what is left (the fleet study's engines), nothing is taken off.
     assert cost.queue_ms(ReplicaView("a", prefill_tokens=1000, prefilling=1)) == pytest.approx(whole)
 
@@ -642,12 +642,12 @@ def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     # the two conversations that arrive at "a"; moving to "a" slows only conversation 2, which stays on "b": its own
     # turns on "b" are not traffic it would slow there. So it pulls its history to "a" ...
     on_b = lookup(n + 128, ReplicaMatch("b", n + 64, "hold", n + 64, hold("b", n + 64)))
-    views_before_move = with_busy_peers([inflight.view(stats(r), prompt(3, 2)) for r in "ab"], {"a": "n1", "b": "n1"})
+    views_before_move = with_busy_peers(inflight.views([stats(r) for r in "ab"], prompt(3, 2)), {"a": "n1", "b": "n1"})
     assert [v.arrival_rate for v in views_before_move] == [pytest.approx(0.4), pytest.approx(0.2)]
     moved = plan_turn(n + 128, on_b, views_before_move, cost, output_tokens=24, turn_index=2)
     assert (moved.replica_id, moved.mode, moved.holder) == ("a", Mode.PULL, "b")
     # ... where, counted with its own, the two engines' traffic looked the same and it stayed beside "a".
-    counted_with_own = with_busy_peers([inflight.view(stats(r)) for r in "ab"], {"a": "n1", "b": "n1"})
+    counted_with_own = with_busy_peers(inflight.views([stats(r) for r in "ab"]), {"a": "n1", "b": "n1"})
     stays = plan_turn(n + 128, on_b, counted_with_own, cost, output_tokens=24, turn_index=2)
     assert (stays.replica_id, stays.mode) == ("b", Mode.LOCAL)
     # Were it its last turn (the sixth: recent conversations brought none after it), it would stay on "b": moving
@@ -660,7 +660,7 @@ def test_two_engines_holding_two_conversations_each_drain_one_into_the_other():
     now[0] += 1.0
     inflight.ended("a", "3-2")
     on_a = lookup(n + 192, ReplicaMatch("a", n + 128, "hold", n + 128, hold("a", n + 128)))
-    views = with_busy_peers([inflight.view(stats(r), prompt(3, 3)) for r in "ab"], {"a": "n1", "b": "n1"})
+    views = with_busy_peers(inflight.views([stats(r) for r in "ab"], prompt(3, 3)), {"a": "n1", "b": "n1"})
     assert (plan_turn(n + 192, on_a, views, cost, output_tokens=24, turn_index=3).replica_id,) == ("a",)
 
 
