@@ -1,7 +1,9 @@
 """How long the planner alone takes to plan one turn, in a plain process (no Ray, no engines): p50/p99 of
 `with_busy_peers` + `plan_turn`, wall and this thread's CPU time (a shared machine's preemptions leave the latter
 out), over random turns at 8/16/32/64 replicas on 2 or 8 nodes, half of the replicas busy, with a
-calibrated cost model (per-node contention fits, a measured estimate error, a workload forecast).
+calibrated cost model (per-node contention fits, a measured estimate error, a workload forecast). And the step before
+it on the ingress, the replicas' views for a turn (`InFlight.views`, `views_<N>r`), after ten seconds of the
+traffic `benchmarks.control_plane` drives (20 turns/s of 3,840-token prompts spread over the replicas).
 
 `--dump PATH` instead writes every plan of a fixed set of random turns under every policy, one `repr` a line:
 plans from two versions of the planner are identical if the files are.
@@ -18,9 +20,12 @@ import statistics
 import time
 from itertools import count
 
+from actors.replica_api import ReplicaStats
+from app.inflight import InFlight
 from kvtransfer.cost_model import CostModel
 from kvtransfer.load import ReplicaView, preferred_replica, with_busy_peers
 from kvtransfer.planner import plan_turn
+from kvtransfer.prefix_key import PrefixKey, Scope
 from kvtransfer.types import Hold, HoldId, HoldOffer, LookupResult, ReplicaMatch
 
 POLICIES = ("kvrelay", "round_robin", "session", "prefix_affinity", "fixed_threshold")
@@ -118,6 +123,39 @@ def timings(turns: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def views_timings(turns: int, rate: float = 20.0, seconds: float = 10.0, turn_s: float = 1.2) -> dict:
+    """`InFlight.views` of every replica for a follow-up turn, after `seconds` of `rate` first turns per second, each
+    in flight for `turn_s`, on random replicas."""
+    out = {}
+    for replicas in (8, 16, 32, 64):
+        rng, now = random.Random(replicas), [1000.0]
+        inflight, ids = InFlight(clock=lambda now=now: now[0]), [f"r{i}" for i in range(replicas)]
+        keys, running = [], []
+        for i in range(int(rate * seconds)):
+            now[0] += 1 / rate
+            key = PrefixKey.build([rng.randrange(32_000) for _ in range(3840)], Scope("m", ""), 16)
+            replica = rng.choice(ids)
+            inflight.started(replica, str(i), key.num_tokens, key.prompt_end(key.num_tokens))
+            keys.append(key)
+            running.append((now[0], replica, str(i)))
+            while running[0][0] < now[0] - turn_s:
+                _, done, request = running.pop(0)
+                inflight.first_token(done, request)
+                inflight.ended(done, request)
+        beats = [ReplicaStats(replica_id=r, at=now[0] - 0.3, running=rng.randrange(3), waiting=0, kv_cache_usage=0.1,
+                              prefix_cache_hit_rate=0.5, prefill_tok_s=None, decode_tok_s=50.0, requests_finished=1)
+                 for r in ids]
+        follow_ups = [rng.choice(keys).extend([rng.randrange(32_000) for _ in range(128)]) for _ in range(turns)]
+        cpu = []
+        for key in follow_ups:
+            start = time.thread_time()
+            inflight.views(beats, key)
+            cpu.append((time.thread_time() - start) * 1e3)
+        q = statistics.quantiles(cpu, n=100)
+        out[f"views_{replicas}r"] = {"cpu_p50_ms": round(q[49], 3), "cpu_p99_ms": round(q[98], 3)}
+    return out
+
+
 def dump(path: str, turns: int) -> None:
     rng = random.Random(37)
     with open(path, "w") as f:
@@ -137,7 +175,7 @@ def main() -> None:
     if args.dump:
         dump(args.dump, args.turns)
     else:
-        print(json.dumps(timings(args.turns), indent=1))
+        print(json.dumps(timings(args.turns) | views_timings(min(args.turns, 500)), indent=1))
 
 
 if __name__ == "__main__":
