@@ -255,6 +255,7 @@ def bench_fleet_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> d
     for stat in snapshot.statistics("lineno")[:12]:
         frame = stat.traceback[0]
         by_line[f"{Path(frame.filename).name}:{frame.lineno}"] = round(stat.size / blocks, 1)
+    serving_blocks = serving.stats().resident_blocks
     return {
         "fleet_replicas": args.replicas,
         "fleet_blocks_per_conversation": blocks_each,
@@ -266,8 +267,8 @@ def bench_fleet_memory(args: argparse.Namespace, _queries: list[PrefixKey]) -> d
         "fleet_gc_full_collection_ms": round(gc_ms, 1),
         "fleet_traced_bytes_per_block_by_line": by_line,
         # The same conversations as serving records them (`serving_load`): every block's record made and settled.
-        "serving_blocks": serving.stats().resident_blocks,
-        "serving_table_bytes_per_block": round(serving.table_bytes() / serving.stats().resident_blocks, 1),
+        "serving_blocks": serving_blocks,
+        "serving_table_bytes_per_block": round(serving.table_bytes() / serving_blocks, 1),
         "serving_load_s": round(serving_s, 1),
     }
 

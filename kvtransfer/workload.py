@@ -34,8 +34,8 @@ class WorkloadForecast:
         staying). Without `index`, or before MIN_PLACED_TURNS turns of known place: from the share c of turns that
         continue a conversation, as if every turn were as likely to be the last: with conversations of T turns on
         average, c = (T - 1) / T, so T - 1 = c / (1 - c). One-shot traffic (c = 0) brings none."""
-        placed = [i for i in self._turn_index if i is not None]
-        if index is not None and len(placed) >= self.MIN_PLACED_TURNS:
+        if index is not None and self.knows_future:
+            placed = [i for i in self._turn_index if i is not None]
             here = sum(1 for i in placed if i == index)
             beyond = sum(1 for i in placed if i > index)
             return min(self.MAX_FUTURE_TURNS, beyond / max(1, here))
