@@ -123,14 +123,6 @@ class PrefixKey(NamedTuple):
         blocks = min(self.num_full_blocks, (prompt_tokens - 1) // self.block_size) if prompt_tokens > 0 else 0
         return self.block_hash(blocks - 1) if blocks > 0 else None
 
-    def has_block(self, block_hash: BlockHash) -> bool:
-        """Whether one of this key's prefixes ends with a full block of hash `block_hash` (a turn whose prompt
-        ended there, `prompt_end`, is an earlier turn of the same conversation)."""
-        at = self.hashes.find(block_hash)
-        while at >= 0 and at % HASH_BYTES:
-            at = self.hashes.find(block_hash, at + 1)
-        return at >= 0
-
     @property
     def block_hashes(self) -> tuple[BlockHash, ...]:
         """All block hashes, split (allocates; hot paths use `block_hash`)."""
